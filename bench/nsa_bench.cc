@@ -1,0 +1,173 @@
+// One NSA attention layer (compressed branch with importance, top-n selection, selected
+// branch, sliding window) against dense causal FlashAttention (PyTorch SDPA, flash backend
+// only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
+//
+//   nsa_bench [--seqs 2048,8192,32768,65536] [--reps 5] [--warmup 2]
+//
+// bf16, batch 1, default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
+// --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
+// matrix products only (4*D flops per query-head-key pair forward, 2.5x that forward+backward
+// as FlashAttention counts them), over the keys each branch really visits.
+// The compression MLP producing k_cmp/v_cmp and the output gates are not part of the timing.
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "nsa/ops.h"
+#include "nsa_cuda.h"
+
+namespace {
+
+using nsad::nsa::Geometry;
+namespace nsa_cuda = nsad::nsa::cuda;
+
+double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+    start.record();
+    fn();
+    stop.record();
+    stop.synchronize();
+    ms.push_back(start.elapsed_time(stop));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Query-head-key pairs each branch computes (batch 1, one head).
+struct PairCounts {
+  double dense = 0, cmp = 0, slc = 0, win = 0;
+};
+PairCounts CountPairs(int64_t T, const Geometry& g) {
+  PairCounts p;
+  const int64_t N = nsad::nsa::NumCmpBlocks(T, g);
+  for (int64_t t = 0; t < T; ++t) {
+    p.dense += t + 1;
+    p.cmp += t < g.cmp_block - 1 ? 0 : std::min(N, (t - (g.cmp_block - 1)) / g.cmp_stride + 1);
+    const int64_t blocks = std::min<int64_t>(g.top_n, t / g.slc_block + 1);
+    p.slc += (blocks - 1) * g.slc_block + (t % g.slc_block) + 1;  // current block is partial
+    p.win += std::min<int64_t>(t + 1, g.window);
+  }
+  return p;
+}
+
+std::vector<int64_t> ParseList(const char* s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> seqs = {2048, 8192, 32768, 65536};
+  int reps = 5, warmup = 2;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--seqs") seqs = ParseList(argv[i + 1]);
+    else if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
+    else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
+  }
+  if (!torch::cuda::is_available() || !nsa_cuda::Available()) {
+    std::fprintf(stderr, "nsa_bench needs a CUDA GPU the kernels were built for\n");
+    return 1;
+  }
+  torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
+  // Dense baseline must be FlashAttention: leave SDPA no other backend to fall back to.
+  auto& ctx = at::globalContext();
+  ctx.setSDPUseFlash(true);
+  ctx.setSDPUseMemEfficient(false);
+  ctx.setSDPUseMath(false);
+  ctx.setSDPUseCuDNN(false);
+
+  const Geometry geo;
+  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  struct Heads { int64_t H, G; };
+  const std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
+  const std::vector<int64_t> dims = {64, 128};
+
+  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
+              "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
+              "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win");
+  for (const int64_t T : seqs) {
+    const PairCounts pairs = CountPairs(T, geo);
+    for (const int64_t D : dims) {
+      for (const Heads hc : head_cfgs) {
+        const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo);
+        torch::manual_seed(T + D + H);
+        auto q = torch::randn({1, T, H, D}, opts), k = torch::randn({1, T, G, D}, opts),
+             v = torch::randn({1, T, G, D}, opts);
+        auto kc = torch::randn({1, N, G, D}, opts), vc = torch::randn({1, N, G, D}, opts);
+        auto grad = torch::randn({1, T, H, D}, opts);
+
+        // Dense causal flash, BHTD views of the same data.
+        auto dense_fwd = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
+          return at::scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2),
+                                                  vv.transpose(1, 2), {}, 0.0, /*is_causal=*/true,
+                                                  std::nullopt, /*enable_gqa=*/true);
+        };
+        auto nsa_fwd = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv,
+                           const torch::Tensor& kkc, const torch::Tensor& vvc) {
+          auto cmp = nsa_cuda::CompressedAttention(qq, kkc, vvc, geo);
+          auto idx = nsa_cuda::SelectBlocks(cmp.importance, T, geo);
+          auto slc = nsa_cuda::SelectedAttention(qq, kk, vv, idx, geo);
+          auto win = nsa_cuda::SlidingWindowAttention(qq, kk, vv, geo);
+          return std::vector<torch::Tensor>{cmp.out, slc, win};
+        };
+
+        const double dense_f = MedianMs([&] { dense_fwd(q, k, v); }, warmup, reps);
+        const double nsa_f = MedianMs([&] { nsa_fwd(q, k, v, kc, vc); }, warmup, reps);
+        // Per-branch forward times.
+        nsa_cuda::CmpImportanceResult cmp_res;
+        const double cmp_f = MedianMs([&] { cmp_res = nsa_cuda::CompressedAttention(q, kc, vc, geo); }, 1, reps);
+        torch::Tensor idx;
+        const double sel_f = MedianMs([&] { idx = nsa_cuda::SelectBlocks(cmp_res.importance, T, geo); }, 1, reps);
+        const double slc_f = MedianMs([&] { nsa_cuda::SelectedAttention(q, k, v, idx, geo); }, 1, reps);
+        const double win_f = MedianMs([&] { nsa_cuda::SlidingWindowAttention(q, k, v, geo); }, 1, reps);
+
+        torch::AutoGradMode grad_on(true);
+        auto ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+             vl = v.detach().requires_grad_(true), kcl = kc.detach().requires_grad_(true),
+             vcl = vc.detach().requires_grad_(true);
+        const double dense_fb = MedianMs(
+            [&] {
+              auto o = dense_fwd(ql, kl, vl);
+              torch::autograd::backward({o}, {grad.transpose(1, 2)});
+            },
+            warmup, reps);
+        const double nsa_fb = MedianMs(
+            [&] {
+              auto outs = nsa_fwd(ql, kl, vl, kcl, vcl);
+              torch::autograd::backward(outs, {grad, grad, grad});
+            },
+            warmup, reps);
+
+        const double flop_d = 4.0 * D * H * pairs.dense;
+        const double flop_n = 4.0 * D * H * (pairs.cmp + pairs.slc + pairs.win);
+        char heads[16];
+        std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
+        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f\n",
+                    static_cast<long long>(T), static_cast<long long>(D), heads, dense_f, nsa_f,
+                    dense_f / nsa_f, dense_fb, nsa_fb, dense_fb / nsa_fb, flop_d / dense_f / 1e9,
+                    flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f);
+        std::fflush(stdout);
+      }
+    }
+  }
+  std::printf("x_f / x_fb: dense time over NSA time (forward; forward+backward). TF/s: forward.\n");
+  return 0;
+}

@@ -1,0 +1,176 @@
+#include "nsad/config.h"
+
+#include <glob.h>
+#include <sys/stat.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace nsad {
+
+int EffectiveMlpHidden(const ModelConfig& model) {
+  if (model.mlp_hidden > 0) return model.mlp_hidden;
+  const int raw = (8 * model.dim + 2) / 3;
+  return (raw + 63) / 64 * 64;
+}
+
+const char* ToString(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::kAuto: return "auto";
+    case AttentionBackend::kReference: return "reference";
+    case AttentionBackend::kCuda: return "cuda";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Collects field errors with the value that was rejected, so every message can be acted on
+// without looking anything up.
+class Checker {
+ public:
+  template <typename T>
+  void Positive(const char* field, T value) {
+    if (!(value > 0)) Add(field, "must be positive (got " + Str(value) + ")");
+  }
+  template <typename T>
+  void NonNegative(const char* field, T value) {
+    if (!(value >= 0)) Add(field, "must be >= 0 (got " + Str(value) + ")");
+  }
+  void Finite(const char* field, float value) {
+    if (!std::isfinite(value)) Add(field, "must be a finite number (got " + Str(value) + ")");
+  }
+  void InRange(const char* field, float value, float lo, float hi, bool hi_inclusive) {
+    const bool ok = value >= lo && (hi_inclusive ? value <= hi : value < hi);
+    if (!ok) {
+      Add(field, "must be in [" + Str(lo) + ", " + Str(hi) + (hi_inclusive ? "]" : ")") +
+                     " (got " + Str(value) + ")");
+    }
+  }
+  void Add(std::string field, std::string message) {
+    errors_.push_back({std::move(field), std::move(message)});
+  }
+  std::vector<FieldError> Take() { return std::move(errors_); }
+
+ private:
+  template <typename T>
+  static std::string Str(T value) {
+    std::ostringstream out;
+    out << value;
+    return out.str();
+  }
+  std::vector<FieldError> errors_;
+};
+
+bool PathMatchesSomething(const std::string& pattern) {
+  struct stat st {};
+  if (::stat(pattern.c_str(), &st) == 0) return true;
+  glob_t matches{};
+  const int rc = ::glob(pattern.c_str(), 0, nullptr, &matches);
+  const bool found = rc == 0 && matches.gl_pathc > 0;
+  ::globfree(&matches);
+  return found;
+}
+
+bool ValidDevice(const std::string& device) {
+  if (device == "auto" || device == "cpu" || device == "cuda") return true;
+  if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return false;
+  for (size_t i = 5; i < device.size(); ++i) {
+    if (device[i] < '0' || device[i] > '9') return false;
+  }
+  return true;
+}
+
+void CheckModel(const ModelConfig& m, Checker& c) {
+  c.Positive("model.vocab_size", m.vocab_size);
+  c.Positive("model.dim", m.dim);
+  c.Positive("model.n_layers", m.n_layers);
+  c.Positive("model.n_heads", m.n_heads);
+  c.Positive("model.n_kv_groups", m.n_kv_groups);
+  c.Positive("model.head_dim", m.head_dim);
+  c.NonNegative("model.mlp_hidden", m.mlp_hidden);
+  c.Positive("model.rope_theta", m.rope_theta);
+  c.Positive("model.norm_eps", m.norm_eps);
+  if (m.n_heads > 0 && m.n_kv_groups > 0 && m.n_heads % m.n_kv_groups != 0) {
+    c.Add("model.n_kv_groups", "must divide model.n_heads (" + std::to_string(m.n_heads) +
+                                   "), got " + std::to_string(m.n_kv_groups));
+  }
+  if (m.head_dim > 0 && m.head_dim % 2 != 0) {
+    c.Add("model.head_dim", "must be even for rotary embeddings (got " +
+                                std::to_string(m.head_dim) + ")");
+  }
+  const NsaConfig& n = m.nsa;
+  c.Positive("model.nsa.cmp_block", n.cmp_block);
+  c.Positive("model.nsa.cmp_stride", n.cmp_stride);
+  c.Positive("model.nsa.slc_block", n.slc_block);
+  c.Positive("model.nsa.slc_top_n", n.slc_top_n);
+  c.Positive("model.nsa.window", n.window);
+  if (n.cmp_block > 0 && n.cmp_stride > n.cmp_block) {
+    c.Add("model.nsa.cmp_stride", "must not exceed model.nsa.cmp_block (" +
+                                      std::to_string(n.cmp_block) + "), got " +
+                                      std::to_string(n.cmp_stride));
+  }
+  // Block 0 and the two local blocks are always selected (ops.h), so n must hold them.
+  if (n.slc_top_n > 0 && n.slc_top_n < 3) {
+    c.Add("model.nsa.slc_top_n", "must be at least 3 (the first block and two local blocks "
+                                 "are always selected), got " + std::to_string(n.slc_top_n));
+  }
+}
+
+void CheckOptim(const OptimConfig& o, Checker& c) {
+  c.Positive("optim.lr", o.lr);
+  c.Finite("optim.lr", o.lr);
+  c.NonNegative("optim.min_lr", o.min_lr);
+  if (o.lr > 0 && o.min_lr > o.lr) c.Add("optim.min_lr", "must not exceed optim.lr");
+  c.NonNegative("optim.weight_decay", o.weight_decay);
+  c.InRange("optim.beta1", o.beta1, 0.0f, 1.0f, false);
+  c.InRange("optim.beta2", o.beta2, 0.0f, 1.0f, false);
+  c.Positive("optim.eps", o.eps);
+  c.NonNegative("optim.warmup_steps", o.warmup_steps);
+  c.NonNegative("optim.grad_clip", o.grad_clip);
+}
+
+}  // namespace
+
+std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
+  Checker c;
+  CheckModel(config.model, c);
+  CheckOptim(config.optim, c);
+
+  c.Positive("seq_len", config.seq_len);
+  c.Positive("batch_size", config.batch_size);
+  c.Positive("grad_accum", config.grad_accum);
+  c.Positive("max_steps", config.max_steps);
+  c.Positive("log_every", config.log_every);
+  c.NonNegative("eval_every", config.eval_every);
+  c.Positive("eval_batches", config.eval_batches);
+  if (!ValidDevice(config.device)) {
+    c.Add("device", "must be auto, cpu, cuda or cuda:N (got \"" + config.device + "\")");
+  }
+  if (config.dtype != "float32" && config.dtype != "bfloat16") {
+    c.Add("dtype", "must be float32 or bfloat16 (got \"" + config.dtype + "\")");
+  }
+
+  const DataConfig& d = config.data;
+  if (d.train_path.empty()) {
+    c.Add("data.train_path", "is required: a token shard file, directory or glob");
+  } else if (!PathMatchesSomething(d.train_path)) {
+    c.Add("data.train_path", "no such file, directory or glob match: " + d.train_path);
+  }
+  if (!d.val_path.empty() && !PathMatchesSomething(d.val_path)) {
+    c.Add("data.val_path", "no such file, directory or glob match: " + d.val_path);
+  }
+  if (d.val_path.empty()) c.InRange("data.val_fraction", d.val_fraction, 0.0f, 1.0f, false);
+  return c.Take();
+}
+
+std::string FormatFieldErrors(const std::vector<FieldError>& errors) {
+  std::string out;
+  for (const FieldError& e : errors) {
+    if (!out.empty()) out += "; ";
+    out += e.field + ": " + e.message;
+  }
+  return out;
+}
+
+}  // namespace nsad

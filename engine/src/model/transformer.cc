@@ -1,0 +1,90 @@
+// The NSA language model. GPT-2 style: token embedding, n_layers pre-norm blocks
+// (RMSNorm -> NsaAttention -> residual, RMSNorm -> SwiGLU -> residual), final RMSNorm, LM
+// head tied to the embedding (logits = x E^T: saves vocab*dim parameters -- 38.6M of the
+// m7c_125m's ~125M -- and is what GPT-2 does at this scale).
+//
+// Init: every weight matrix N(0, 0.02) except the two residual output projections of each
+// block (attention out, SwiGLU down), which get 0.02/sqrt(2*n_layers) so the residual
+// stream's variance does not grow with depth (GPT-2); the gate MLP keeps its own init
+// (nsa/attention.cc). Norm weights start at 1, biases at 0.
+#include "model/transformer.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "nsa/attention.h"
+
+namespace nsad {
+namespace {
+
+RmsNorm MakeNorm(const ModelConfig& config) { return RmsNorm(config.dim, config.norm_eps); }
+
+torch::nn::Linear NormalLinear(int64_t in, int64_t out, double std) {
+  torch::nn::Linear linear(torch::nn::LinearOptions(in, out).bias(false));
+  torch::NoGradGuard no_grad;
+  linear->weight.normal_(0.0, std);
+  return linear;
+}
+
+class NsaBlockImpl : public torch::nn::Module {
+ public:
+  NsaBlockImpl(const ModelConfig& config, AttentionBackend backend, double residual_std) {
+    const int64_t dim = config.dim, hidden = EffectiveMlpHidden(config);
+    attn_norm = register_module("attn_norm", MakeNorm(config));
+    attn = register_module("attn", nsa::NsaAttention(config, backend, residual_std));
+    mlp_norm = register_module("mlp_norm", MakeNorm(config));
+    mlp_gate = register_module("mlp_gate", NormalLinear(dim, hidden, 0.02));
+    mlp_up = register_module("mlp_up", NormalLinear(dim, hidden, 0.02));
+    mlp_down = register_module("mlp_down", NormalLinear(hidden, dim, residual_std));
+  }
+
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn->forward(attn_norm->forward(x));
+    const auto h = mlp_norm->forward(x);
+    return x + mlp_down->forward(torch::silu(mlp_gate->forward(h)) * mlp_up->forward(h));
+  }
+
+  RmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  nsa::NsaAttention attn{nullptr};
+  torch::nn::Linear mlp_gate{nullptr}, mlp_up{nullptr}, mlp_down{nullptr};
+};
+TORCH_MODULE(NsaBlock);
+
+}  // namespace
+
+NsaTransformerImpl::NsaTransformerImpl(const ModelConfig& config, AttentionBackend backend)
+    : config_(config), backend_(backend) {
+  if (backend == AttentionBackend::kAuto) {
+    throw std::invalid_argument("NsaTransformer needs a resolved backend (reference or cuda)");
+  }
+  embed_ = register_module("embed", torch::nn::Embedding(config.vocab_size, config.dim));
+  {
+    torch::NoGradGuard no_grad;
+    embed_->weight.normal_(0.0, 0.02);
+  }
+  const double residual_std = 0.02 / std::sqrt(2.0 * config.n_layers);
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int i = 0; i < config.n_layers; ++i) {
+    blocks_->push_back(NsaBlock(config, backend, residual_std));
+  }
+  final_norm_ = register_module("final_norm", MakeNorm(config));
+}
+
+torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "tokens must be [B,T], got ", tokens.sizes());
+  auto x = embed_->forward(tokens);
+  for (const auto& block : *blocks_) x = block->as<NsaBlockImpl>()->forward(x);
+  x = final_norm_->forward(x);
+  return torch::nn::functional::linear(x, embed_->weight).to(torch::kFloat);
+}
+
+std::vector<LayerGateStats> NsaTransformerImpl::last_gate_stats() const {
+  std::vector<LayerGateStats> stats;
+  int layer = 0;
+  for (const auto& block : *blocks_) {
+    stats.push_back(block->as<NsaBlockImpl>()->attn->last_stats(layer++));
+  }
+  return stats;
+}
+
+}  // namespace nsad

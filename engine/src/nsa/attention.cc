@@ -1,0 +1,166 @@
+#include "nsa/attention.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "nsa/dispatch.h"
+
+namespace nsad::nsa {
+namespace {
+
+torch::Tensor Positions(int64_t n, const torch::Device& device) {
+  return torch::arange(n, torch::TensorOptions().dtype(torch::kLong).device(device));
+}
+
+torch::nn::Linear NormalLinear(int64_t in, int64_t out, bool bias, double std) {
+  torch::nn::Linear linear(torch::nn::LinearOptions(in, out).bias(bias));
+  torch::NoGradGuard no_grad;
+  linear->weight.normal_(0.0, std);
+  if (bias) linear->bias.zero_();
+  return linear;
+}
+
+}  // namespace
+
+Geometry GeometryFrom(const NsaConfig& config) {
+  Geometry g;
+  g.cmp_block = config.cmp_block;
+  g.cmp_stride = config.cmp_stride;
+  g.slc_block = config.slc_block;
+  g.top_n = config.slc_top_n;
+  g.window = config.window;
+  return g;
+}
+
+int64_t CompressionHidden(const ModelConfig& config) { return 2 * int64_t{config.head_dim}; }
+int64_t GateHidden(const ModelConfig& config) {
+  return std::max<int64_t>(1, int64_t{config.dim} / 4);
+}
+
+torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
+  const int64_t D = x.size(-1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
+  const auto acc = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  const auto opts = torch::TensorOptions().dtype(acc).device(x.device());
+  const auto inv_freq = torch::pow(theta, torch::arange(half, opts) * (-2.0 / D));    // [D/2]
+  const auto angles = positions.to(acc).unsqueeze(1) * inv_freq.unsqueeze(0);          // [T,D/2]
+  const auto cos = angles.cos().view({1, -1, 1, half});
+  const auto sin = angles.sin().view({1, -1, 1, half});
+  const auto xf = x.to(acc);
+  const auto x1 = xf.narrow(-1, 0, half), x2 = xf.narrow(-1, half, half);
+  return torch::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1).to(x.scalar_type());
+}
+
+NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend backend,
+                                   double out_proj_std)
+    : geometry_(GeometryFrom(config.nsa)),
+      heads_(config.n_heads),
+      groups_(config.n_kv_groups),
+      head_dim_(config.head_dim),
+      rope_theta_(config.rope_theta),
+      backend_(backend) {
+  if (backend == AttentionBackend::kAuto) {
+    throw std::invalid_argument("NsaAttention needs a resolved backend (reference or cuda)");
+  }
+  TORCH_CHECK(heads_ % groups_ == 0, "n_heads must be a multiple of n_kv_groups");
+  const int64_t dim = config.dim, H = heads_, G = groups_, D = head_dim_;
+  const int64_t l = geometry_.cmp_block;
+  constexpr double kStd = 0.02;  // GPT-2 style init for the projections
+
+  q_proj_ = register_module("q_proj", NormalLinear(dim, H * D, false, kStd));
+  kv_proj_ = register_module("kv_proj", NormalLinear(dim, 6 * G * D, false, kStd));
+  o_proj_ = register_module("o_proj", NormalLinear(H * D, dim, false, out_proj_std));
+
+  const int64_t cmp_hidden = CompressionHidden(config);
+  auto make_compressor = [&] {
+    return torch::nn::Sequential(NormalLinear(l * D, cmp_hidden, true, kStd),
+                                 torch::nn::SiLU(), NormalLinear(cmp_hidden, D, true, kStd));
+  };
+  cmp_k_mlp_ = register_module("cmp_k_mlp", make_compressor());
+  cmp_v_mlp_ = register_module("cmp_v_mlp", make_compressor());
+  cmp_k_pos_ = register_parameter("cmp_k_pos", torch::randn({l, D}) * kStd);
+  cmp_v_pos_ = register_parameter("cmp_v_pos", torch::randn({l, D}) * kStd);
+
+  // Gates: PyTorch's default fan-in init (NOT zero) in both layers, so that at init every
+  // gate is near sigmoid(0) = 0.5 -- no branch switched off -- yet varies with the input
+  // and passes gradient to the first layer. Only the last bias is zeroed (centres at 0.5).
+  const int64_t gate_hidden = GateHidden(config);
+  torch::nn::Linear gate_out(gate_hidden, 3 * H);
+  {
+    torch::NoGradGuard no_grad;
+    gate_out->bias.zero_();
+  }
+  gate_mlp_ = register_module(
+      "gate_mlp", torch::nn::Sequential(torch::nn::Linear(dim, gate_hidden), torch::nn::SiLU(),
+                                        gate_out, torch::nn::Sigmoid()));
+}
+
+torch::Tensor NsaAttentionImpl::Compress(const torch::Tensor& tokens,
+                                         const torch::Tensor& position_encoding,
+                                         torch::nn::Sequential& mlp) const {
+  const int64_t B = tokens.size(0), T = tokens.size(1), G = tokens.size(2), D = tokens.size(3);
+  const int64_t l = geometry_.cmp_block, N = NumCmpBlocks(T, geometry_);
+  // Block j = tokens [j*d, j*d + l): unfold gives [B,N,G,D,l]; put the l tokens before D.
+  const auto blocks = N > 0 ? tokens.unfold(1, l, geometry_.cmp_stride).transpose(-1, -2)
+                            : torch::zeros({B, 0, G, l, D}, tokens.options());
+  const auto with_position = blocks + position_encoding.to(blocks.scalar_type());
+  return mlp->forward(with_position.reshape({B, N, G, l * D}));  // [B,N,G,D]
+}
+
+torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, "NsaAttention expects [B,T,dim], got ", x.sizes());
+  const int64_t B = x.size(0), T = x.size(1), H = heads_, G = groups_, D = head_dim_;
+  const auto& g = geometry_;
+  const auto positions = Positions(T, x.device());
+
+  const auto q = ApplyRope(q_proj_->forward(x).view({B, T, H, D}), positions, rope_theta_);
+  const auto kv = kv_proj_->forward(x).view({B, T, 6, G, D}).unbind(2);
+  const auto k_slc = ApplyRope(kv[2], positions, rope_theta_).contiguous();
+  const auto v_slc = kv[3].contiguous();
+  const auto k_win = ApplyRope(kv[4], positions, rope_theta_).contiguous();
+  const auto v_win = kv[5].contiguous();
+  // A compressed key stands for a whole block; it is rotated as if it were the block's last
+  // token, so q.k_cmp depends on the distance from the query to the end of the block.
+  const auto block_end = Positions(NumCmpBlocks(T, g), x.device()) * g.cmp_stride +
+                         (g.cmp_block - 1);
+  const auto k_cmp =
+      ApplyRope(Compress(kv[0], cmp_k_pos_, cmp_k_mlp_), block_end, rope_theta_).contiguous();
+  const auto v_cmp = Compress(kv[1], cmp_v_pos_, cmp_v_mlp_).contiguous();
+
+  const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
+  const auto& block_idx = cmp.block_idx;
+  const auto o_slc = SelectedAttention(backend_, q, k_slc, v_slc, block_idx, g);
+  const auto o_win = SlidingWindowAttention(backend_, q, k_win, v_win, g);
+
+  const auto gates = gate_mlp_->forward(x).view({B, T, H, 3});
+  const auto mixed = gates.select(-1, 0).unsqueeze(-1) * cmp.out +
+                     gates.select(-1, 1).unsqueeze(-1) * o_slc +
+                     gates.select(-1, 2).unsqueeze(-1) * o_win;
+  RecordStats(gates, block_idx);
+  return o_proj_->forward(mixed.reshape({B, T, H * D}));
+}
+
+void NsaAttentionImpl::RecordStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {
+  // Kept on the device (no sync on the training path); last_stats() copies them out.
+  torch::NoGradGuard no_grad;
+  last_gates_ = gates.detach();
+  const auto flat = last_gates_.to(torch::kFloat).reshape({-1, 3});
+  const auto mean = flat.mean(0);
+  const auto stddev = flat.std(0, /*unbiased=*/false);
+  const auto selected = (block_idx >= 0).sum(-1).to(torch::kFloat).mean().view({1});
+  last_stats_ = torch::cat({mean, stddev, selected});
+}
+
+LayerGateStats NsaAttentionImpl::last_stats(int layer) const {
+  LayerGateStats stats;
+  stats.layer = layer;
+  if (!last_stats_.defined()) return stats;
+  const auto s = last_stats_.to(torch::kCPU, torch::kDouble).contiguous();
+  const double* v = s.data_ptr<double>();
+  stats.mean = {v[0], v[1], v[2]};
+  stats.stddev = {v[3], v[4], v[5]};
+  stats.mean_selected_blocks = v[6];
+  return stats;
+}
+
+}  // namespace nsad::nsa

@@ -1,0 +1,67 @@
+// NsaAttention: one layer of DeepSeek Native Sparse Attention (arXiv 2502.11089) as a torch
+// module. Three branches with their own keys and values -- compressed (cmp), selected (slc),
+// sliding window (win) -- mixed per head by sigmoid gates computed from the layer input.
+// The branch ops come from nsa/dispatch.h (reference or CUDA kernels). docs/NSA.md has the
+// maths and the reasons behind the choices made here.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "nsa/ops.h"
+#include "nsad/config.h"
+#include "nsad/engine.h"
+
+namespace nsad::nsa {
+
+Geometry GeometryFrom(const NsaConfig& config);
+
+// Width of the compression MLP's hidden layer (l*D -> this -> D) and of the gate MLP's
+// hidden layer (dim -> this -> 3*H). Exposed for the parameter-count documentation/tests.
+int64_t CompressionHidden(const ModelConfig& config);
+int64_t GateHidden(const ModelConfig& config);
+
+// Rotary position embedding (half-split, "rotate_half" form) of x [B,T,heads,D] at the
+// given token positions [T]; computed in float32 (double for double inputs).
+torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta);
+
+class NsaAttentionImpl : public torch::nn::Module {
+ public:
+  // out_proj_std: init std of the output projection (scaled down for deep residual stacks).
+  NsaAttentionImpl(const ModelConfig& config, AttentionBackend backend, double out_proj_std);
+
+  // x [B,T,dim] (already normalised) -> [B,T,dim].
+  torch::Tensor forward(const torch::Tensor& x);
+
+  // Gate statistics of the most recent forward(): gates [B,T,H,3] (cmp, slc, win) and the
+  // mean number of selected blocks per query. Syncs with the device; call sparingly.
+  LayerGateStats last_stats(int layer) const;
+  // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics).
+  const torch::Tensor& last_gates() const { return last_gates_; }
+
+ private:
+  // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
+  torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
+                         torch::nn::Sequential& mlp) const;
+  void RecordStats(const torch::Tensor& gates, const torch::Tensor& block_idx);
+
+  Geometry geometry_;
+  int64_t heads_, groups_, head_dim_;
+  double rope_theta_;
+  AttentionBackend backend_;
+
+  torch::nn::Linear q_proj_{nullptr};
+  // Keys and values of the three branches in one matmul: [k_cmp, v_cmp, k_slc, v_slc,
+  // k_win, v_win], each G*D wide.
+  torch::nn::Linear kv_proj_{nullptr};
+  torch::nn::Linear o_proj_{nullptr};
+  // Learnable intra-block position encodings [l, D] and the compression MLPs.
+  torch::Tensor cmp_k_pos_, cmp_v_pos_;
+  torch::nn::Sequential cmp_k_mlp_{nullptr}, cmp_v_mlp_{nullptr};
+  torch::nn::Sequential gate_mlp_{nullptr};
+
+  torch::Tensor last_gates_;      // [B,T,H,3], detached
+  torch::Tensor last_stats_;      // [7] on the device: 3 means, 3 stddevs, selected blocks
+};
+TORCH_MODULE(NsaAttention);
+
+}  // namespace nsad::nsa

@@ -1,0 +1,39 @@
+// Token batches as device tensors for the trainer: the training stream (shuffled, seeded,
+// prefetched by data::BatchLoader) and a fixed set of validation batches.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "data/batch_loader.h"
+#include "nsad/config.h"
+
+namespace nsad {
+
+class BatchSource {
+ public:
+  // Opens the data (throws data::DataError naming the field on bad data).
+  BatchSource(const TrainConfig& config, torch::Device device);
+
+  // [batch_size, seq_len + 1] int64 on the device. Throws TrainingHalt(step) when the data
+  // turns out to be bad mid-run (e.g. a token outside the vocabulary).
+  torch::Tensor NextTrain(int64_t step);
+
+  // The same eval_batches batches on every call, so validation losses are comparable.
+  const std::vector<torch::Tensor>& ValBatches();
+
+  data::BatchLoader& train_loader() { return *train_; }
+
+ private:
+  torch::Tensor ToDevice(const data::Batch& batch) const;
+
+  TrainConfig config_;
+  torch::Device device_;
+  data::DatasetSplits splits_;
+  std::unique_ptr<data::BatchLoader> train_;
+  std::vector<torch::Tensor> val_;
+};
+
+}  // namespace nsad

@@ -1,0 +1,94 @@
+// Small host-side helpers shared by the .cu launchers: input checks, head-dim dispatch and
+// kernel launch with a dynamic shared-memory opt-in.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <type_traits>
+
+#include "attention_tile.cuh"
+#include "launchers.h"
+
+// The input types the kernels are instantiated for (arithmetic is float32 for all of them).
+#define NSA_DISPATCH_TYPES(TYPE, NAME, ...)                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)          \
+                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace nsad::nsa::cuda::detail {
+
+inline void CheckInput(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == dims, name, " must have ", dims, " dims, got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Calls f(std::integral_constant<int, D>) for the head dims the kernels are built for.
+template <typename F>
+void DispatchHeadDim(int64_t D, F&& f) {
+  if (D == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else if (D == 128) {
+    f(std::integral_constant<int, 128>{});
+  } else {
+    TORCH_CHECK(false, "NSA CUDA kernels support head_dim 64 and 128, got ", D);
+  }
+}
+
+// Launches kernel<<<grid, kThreads, smem_bytes>>> on the current stream, raising the
+// dynamic shared-memory limit first when the kernel needs more than the default 48 KB.
+template <typename Kernel, typename... Args>
+void Launch(Kernel kernel, dim3 grid, size_t smem_bytes, Args... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  if (smem_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_bytes)));
+  }
+  kernel<<<grid, kThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+inline Shape MakeShape(const at::Tensor& q, const at::Tensor& k) {
+  Shape s{};
+  s.B = static_cast<int>(q.size(0));
+  s.T = static_cast<int>(q.size(1));
+  s.H = static_cast<int>(q.size(2));
+  s.D = static_cast<int>(q.size(3));
+  s.Tk = static_cast<int>(k.size(1));
+  s.G = static_cast<int>(k.size(2));
+  TORCH_CHECK(s.G > 0 && s.H % s.G == 0, "query heads (", s.H, ") must be a multiple of kv groups (",
+              s.G, ")");
+  TORCH_CHECK(s.H / s.G <= kMaxHeadsPerGroup, "NSA CUDA kernels support at most ",
+              kMaxHeadsPerGroup, " query heads per group, got ", s.H / s.G);
+  TORCH_CHECK(k.size(0) == s.B && k.size(3) == s.D, "k must be [B,*,G,D] matching q, got ",
+              k.sizes(), " for q ", q.sizes());
+  return s;
+}
+
+inline void CheckKv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k and v must have one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf ||
+                  q.scalar_type() == at::kFloat,
+              "NSA CUDA kernels take bf16, fp16 or fp32, got ", q.scalar_type());
+}
+
+// The backward's delta = rowsum(dO * O) over head_dim, [B,T,H] float32.
+inline at::Tensor RowDot(const at::Tensor& dout, const at::Tensor& out) {
+  auto delta = at::empty({out.size(0), out.size(1), out.size(2)},
+                         out.options().dtype(at::kFloat));
+  const int64_t rows = delta.numel();
+  if (rows == 0) return delta;
+  const dim3 grid(static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads));
+  NSA_DISPATCH_TYPES(out.scalar_type(), "nsa_row_dot", [&] {
+    Launch(RowDotKernel<scalar_t>, grid, 0, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+           delta.data_ptr<float>(), rows, static_cast<int>(out.size(3)));
+  });
+  return delta;
+}
+
+}  // namespace nsad::nsa::cuda::detail

@@ -1,0 +1,43 @@
+// Host-side entry points of the CUDA kernels (kernels/*.cu), called by the autograd
+// functions in nsa_cuda.cc. Plain ATen types only, so the .cu files stay light to compile.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace nsad::nsa::cuda::detail {
+
+// The NSA geometry as plain ints (nsa::Geometry lives in a torch/torch.h header).
+struct Geo {
+  int cmp_block, cmp_stride, slc_block, top_n, window;
+};
+
+// Query heads per group the kernels accept (a CTA holds all heads of one group).
+constexpr int kMaxHeadsPerGroup = 16;
+
+// True when this binary carries machine code for the current GPU.
+bool KernelImageLoads();
+
+// Selected attention. lse: [B,T,H] float32, log2 units, needed by the backward.
+std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v,
+                                                   const at::Tensor& block_idx, const Geo& g);
+// Returns dq, dk, dv.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g);
+
+// Compressed attention: out [B,T,H,D], lse [B,T,H], importance [B,T,G,NS].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,
+                                                                 const at::Tensor& k_cmp,
+                                                                 const at::Tensor& v_cmp,
+                                                                 const Geo& g);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_cmp,
+    const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g);
+
+// importance [B,T,G,NS] float32 -> block indices [B,T,G,n] int32.
+at::Tensor SelectBlocksLaunch(const at::Tensor& importance, int64_t seq_len, const Geo& g);
+
+}  // namespace nsad::nsa::cuda::detail

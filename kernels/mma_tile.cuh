@@ -1,0 +1,293 @@
+// Tensor-core (mma.sync m16n8k16, fp32 accumulate) building blocks for the bf16/fp16 paths
+// of the selected and compressed attention kernels. fp32 inputs keep the scalar kernels of
+// attention_tile.cuh.
+//
+// Everything here is warp-level and works straight from registers: operands are loaded from
+// global memory (L1/L2) with 16-byte loads into mma fragments, no shared-memory staging.
+// Two facts make that possible:
+//   * In S = Q K^T the contraction runs over head_dim, and the order of a contraction does
+//     not matter as long as both operands use the same one. So each lane loads 16-byte
+//     pieces of its Q and K rows (physical columns 32i + 8c .. 32i + 8c + 7, c = lane % 4)
+//     and those are used as the fragments' logical columns: every load is a plain,
+//     coalesced 16-byte load and no shuffle is needed.
+//   * O = P V contracts over keys, and V is stored key-major, so its fragments need a
+//     transpose: each lane loads 16-byte pieces of V rows the same way and
+//     movmatrix.trans (an 8x8 in-register transpose) turns them into B fragments. The
+//     output columns come out in a known permutation that maps back to 16 contiguous bytes
+//     per lane and row again, so stores are 16 bytes wide too.
+// Query rows are the M dimension (16 per warp): the heads of one GQA group for the selected
+// branch (padded to 16), flattened (position, head) rows for the compressed branch.
+//
+// Fragment layout of m16n8k16 (g = lane / 4, c = lane % 4), used throughout:
+//   A (16x16): a0a1 (row g, k 2c..2c+1), a2a3 (row g+8, same k), a4a5 (row g, k 2c+8..),
+//              a6a7 (row g+8, k 2c+8..)            B (16x8): b0b1 (k 2c.., n g), b2b3 (k 2c+8.., n g)
+//   C (16x8):  c0c1 (row g, n 2c..2c+1), c2c3 (row g+8, same n)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_tile.cuh"
+
+namespace nsad::nsa::cuda::detail::mma {
+
+constexpr int kWarps = 4;                 // warps per CTA of every tensor-core kernel
+constexpr int kMmaThreads = kWarps * 32;  // threads per CTA
+constexpr int kTileRows = kWarps * 16;    // query rows per CTA on the compressed side
+
+// Keys processed per step: 64 at D=64, 32 at D=128, so that one step's K (or V) fragments
+// take 64 registers per lane either way.
+template <int D>
+constexpr int KeysPerStep() {
+  return 4096 / D;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void Mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                    uint32_t b0, uint32_t b1) {
+  if constexpr (kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// 8x8 16-bit transpose across the warp: lane (g, c) gets elements [2c][g], [2c+1][g].
+__device__ __forceinline__ uint32_t Transpose(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Two floats as one 16-bit pair, the lower index in the low half (fragment order).
+template <bool kBf16>
+__device__ __forceinline__ uint32_t Pack(float lo, float hi) {
+  uint32_t r;
+  if constexpr (kBf16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&r, &v, 4);
+  }
+  return r;
+}
+
+// A lane's share of one row of D 16-bit elements: physical columns 32i + 8c .. +7 in c[i].
+template <int D>
+struct RowFrag {
+  uint4 c[D / 32];
+  // 32-bit word w (0..3) of piece i: columns 32i + 8c + 2w, +1.
+  __device__ __forceinline__ uint32_t Word(int i, int w) const {
+    return w == 0 ? c[i].x : w == 1 ? c[i].y : w == 2 ? c[i].z : c[i].w;
+  }
+};
+
+// Loads the lane's pieces of a row (16-byte loads; a warp's 4 lanes of a row read 64
+// contiguous bytes per load). A null row gives zeros.
+template <int D>
+__device__ __forceinline__ void LoadRow(RowFrag<D>& r, const void* row, int lane) {
+  const uint4* p = static_cast<const uint4*>(row);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) r.c[i] = row ? __ldg(p + 4 * i + (lane & 3)) : make_uint4(0, 0, 0, 0);
+}
+
+// Stores a lane's 8 accumulator columns per piece i (the layout PV / dS K produce) for one
+// row: acc[4i + m][2*half + 0..1] are physical columns 32i + 8c + 2m + 0..1.
+template <bool kBf16, int D>
+__device__ __forceinline__ void StoreRow(void* row, const float (&acc)[D / 8][4], int half, float mul,
+                                         int lane) {
+  uint4* p = static_cast<uint4*>(row);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+    uint4 v;
+    v.x = Pack<kBf16>(acc[4 * i + 0][2 * half] * mul, acc[4 * i + 0][2 * half + 1] * mul);
+    v.y = Pack<kBf16>(acc[4 * i + 1][2 * half] * mul, acc[4 * i + 1][2 * half + 1] * mul);
+    v.z = Pack<kBf16>(acc[4 * i + 2][2 * half] * mul, acc[4 * i + 2][2 * half + 1] * mul);
+    v.w = Pack<kBf16>(acc[4 * i + 3][2 * half] * mul, acc[4 * i + 3][2 * half + 1] * mul);
+    p[4 * i + (lane & 3)] = v;
+  }
+}
+
+// s[j] += Q (16 rows: qa row g, qb row g+8) . K row (8j + g) for every 8-key tile j.
+template <bool kBf16, int D>
+__device__ __forceinline__ void QKTile(float (&s)[4], const RowFrag<D>& qa, const RowFrag<D>& qb,
+                                       const RowFrag<D>& kr) {
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      Mma<kBf16>(s, qa.Word(i, 2 * h), qb.Word(i, 2 * h), qa.Word(i, 2 * h + 1), qb.Word(i, 2 * h + 1),
+                 kr.Word(i, 2 * h), kr.Word(i, 2 * h + 1));
+    }
+  }
+}
+
+// acc += P (16 rows x kN keys, C-fragment floats p[j][*] of 8-key tile j) . R, where R's
+// rows (keys 8j + g of the step) were loaded into rows[j] with LoadRow. acc uses StoreRow's
+// column layout.
+template <bool kBf16, int D, int kN>
+__device__ __forceinline__ void PRTile(float (&acc)[D / 8][4], const float (&p)[kN / 8][4],
+                                       const RowFrag<D> (&rows)[kN / 8]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    const uint32_t a0 = Pack<kBf16>(p[2 * kk][0], p[2 * kk][1]);
+    const uint32_t a1 = Pack<kBf16>(p[2 * kk][2], p[2 * kk][3]);
+    const uint32_t a2 = Pack<kBf16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    const uint32_t a3 = Pack<kBf16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        Mma<kBf16>(acc[4 * i + m], a0, a1, a2, a3, Transpose(rows[2 * kk].Word(i, m)),
+                   Transpose(rows[2 * kk + 1].Word(i, m)));
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float QuadMax(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float QuadSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Online-softmax forward state of a lane: its two rows (g and g+8), O in StoreRow's layout.
+template <int D>
+struct FwdState {
+  float o[D / 8][4];
+  float m[2], l[2];  // running max (log2 units) and the lane's partial row sum
+  __device__ __forceinline__ void Init() {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+  }
+};
+
+// One step of the forward over keys [key0, key0 + count) (count <= kN) whose rows start at
+// k_rows / v_rows with a stride of `stride` elements. allowed(half, key) says whether the
+// lane's row g + 8*half may attend step-relative key `key` (< count is checked here).
+template <bool kBf16, int D, int kN, typename scalar_t, typename Allowed>
+__device__ __forceinline__ void FwdStep(FwdState<D>& st, const RowFrag<D>& qa, const RowFrag<D>& qb,
+                                        const scalar_t* k_rows, const scalar_t* v_rows, int64_t stride,
+                                        int count, float scale_log2, Allowed allowed, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+  float s[kN / 8][4];
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    RowFrag<D> kr;
+    const int key = 8 * j + g;
+    LoadRow<D>(kr, key < count ? k_rows + key * stride : nullptr, lane);
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    QKTile<kBf16, D>(s[j], qa, qb, kr);
+  }
+  RowFrag<D> vr[kN / 8];  // issued before the softmax so the loads overlap it
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    const int key = 8 * j + g;
+    LoadRow<D>(vr[j], key < count ? v_rows + key * stride : nullptr, lane);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * j + 2 * c + e;
+        float& x = s[j][2 * half + e];
+        x = (key < count && allowed(half, key)) ? x * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, x);
+      }
+    }
+    const float m_new = fmaxf(st.m[half], QuadMax(mx));
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
+    const float alpha = exp2f(st.m[half] - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[j][2 * half + e];
+        x = exp2f(x - base);
+        sum += x;
+      }
+    }
+    st.l[half] = st.l[half] * alpha + sum;
+    st.m[half] = m_new;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      st.o[i][2 * half] *= alpha;
+      st.o[i][2 * half + 1] *= alpha;
+    }
+  }
+  PRTile<kBf16, D, kN>(st.o, s, vr);
+}
+
+// Writes the lane's rows (out_row[half] null = padding row) and their log2-sum-exp (+inf for
+// a row that attended nothing; its output is zero).
+template <bool kBf16, int D, typename scalar_t>
+__device__ __forceinline__ void FwdFinish(FwdState<D>& st, scalar_t* const (&out_row)[2],
+                                          float* const (&lse_row)[2], int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = QuadSum(st.l[half]);
+    if (out_row[half] == nullptr) continue;
+    StoreRow<kBf16, D>(out_row[half], st.o, half, l > 0.f ? 1.f / l : 0.f, lane);
+    if ((lane & 3) == 0) *lse_row[half] = l > 0.f ? st.m[half] + log2f(l) : INFINITY;
+  }
+}
+
+// One step of dQ += dS K over keys [key0, key0 + count): recomputes P from the saved lse,
+// dP = dO V^T, dS = P (dP - delta). lse/delta: the lane's two rows.
+template <bool kBf16, int D, int kN, typename scalar_t, typename Allowed>
+__device__ __forceinline__ void DqStep(float (&dq)[D / 8][4], const RowFrag<D>& qa, const RowFrag<D>& qb,
+                                       const RowFrag<D>& da, const RowFrag<D>& db,
+                                       const scalar_t* k_rows, const scalar_t* v_rows, int64_t stride,
+                                       int count, float scale_log2, const float (&lse)[2],
+                                       const float (&delta)[2], Allowed allowed, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+  RowFrag<D> kr[kN / 8];
+  float s[kN / 8][4], dp[kN / 8][4];
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    const int key = 8 * j + g;
+    LoadRow<D>(kr[j], key < count ? k_rows + key * stride : nullptr, lane);
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    QKTile<kBf16, D>(s[j], qa, qb, kr[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    RowFrag<D> vr;
+    const int key = 8 * j + g;
+    LoadRow<D>(vr, key < count ? v_rows + key * stride : nullptr, lane);
+    dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.f;
+    QKTile<kBf16, D>(dp[j], da, db, vr);
+  }
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int half = e >> 1, key = 8 * j + 2 * c + (e & 1);
+      const bool ok = key < count && allowed(half, key);
+      const float p = ok ? exp2f(s[j][e] * scale_log2 - lse[half]) : 0.f;
+      s[j][e] = p * (dp[j][e] - delta[half]);  // dS
+    }
+  }
+  PRTile<kBf16, D, kN>(dq, s, kr);
+}
+
+}  // namespace nsad::nsa::cuda::detail::mma

@@ -1,0 +1,162 @@
+// The NSA CUDA ops as autograd functions (contract: nsa_cuda.h / nsa/ops.h).
+//
+// Selected and compressed attention run the custom kernels of this folder. Sliding-window
+// attention runs PyTorch's own FlashAttention-2 kernels (at::_flash_attention_forward /
+// _backward with window_size_left = w - 1, window_size_right = 0): they take GQA natively
+// (K/V keep G heads) and are faster than anything we would write for a dense local window.
+// FlashAttention takes only fp16/bf16; fp32 inputs (tests, debugging) take a masked SDPA path.
+#include "nsa_cuda.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <limits>
+
+#include "launchers.h"
+
+namespace nsad::nsa::cuda {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+using detail::Geo;
+
+Geo ToGeo(const Geometry& g) {
+  TORCH_CHECK(g.cmp_block > 0 && g.cmp_stride > 0 && g.slc_block > 0 && g.window > 0,
+              "geometry sizes must be positive");
+  return {static_cast<int>(g.cmp_block), static_cast<int>(g.cmp_stride),
+          static_cast<int>(g.slc_block), static_cast<int>(g.top_n), static_cast<int>(g.window)};
+}
+
+void SaveGeometry(AutogradContext* ctx, const Geometry& g) {
+  ctx->saved_data["cmp_block"] = g.cmp_block;
+  ctx->saved_data["cmp_stride"] = g.cmp_stride;
+  ctx->saved_data["slc_block"] = g.slc_block;
+  ctx->saved_data["top_n"] = g.top_n;
+  ctx->saved_data["window"] = g.window;
+}
+Geometry LoadGeometry(AutogradContext* ctx) {
+  Geometry g;
+  g.cmp_block = ctx->saved_data["cmp_block"].toInt();
+  g.cmp_stride = ctx->saved_data["cmp_stride"].toInt();
+  g.slc_block = ctx->saved_data["slc_block"].toInt();
+  g.top_n = ctx->saved_data["top_n"].toInt();
+  g.window = ctx->saved_data["window"].toInt();
+  return g;
+}
+
+struct SelectedAttentionFn : torch::autograd::Function<SelectedAttentionFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& block_idx,
+                               const Geometry& g) {
+    auto [out, lse] = detail::SelectedForward(q, k, v, block_idx, ToGeo(g));
+    ctx->save_for_backward({q, k, v, out, lse, block_idx});
+    SaveGeometry(ctx, g);
+    return out;
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto [dq, dk, dv] =
+        detail::SelectedBackward(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], ToGeo(LoadGeometry(ctx)));
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
+                             const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
+                             const Geometry& g) {
+    auto [out, lse, importance] = detail::CompressedForward(q, k_cmp, v_cmp, ToGeo(g));
+    ctx->save_for_backward({q, k_cmp, v_cmp, out, lse});
+    ctx->mark_non_differentiable({importance});
+    SaveGeometry(ctx, g);
+    return {out, importance};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto s = ctx->get_saved_variables();
+    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(s[3]);
+    auto [dq, dk, dv] = detail::CompressedBackward(grad_out, s[0], s[1], s[2], s[3], s[4],
+                                                   ToGeo(LoadGeometry(ctx)));
+    return {dq, dk, dv, torch::Tensor()};
+  }
+};
+
+// FlashAttention-2 with a causal window of w keys: window_size_left = w - 1 keeps keys
+// (t - w, t], exactly the contract's window.
+struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, int64_t window) {
+    const int64_t T = q.size(1);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+    auto [out, lse, rng_state, unused, debug] = at::_flash_attention_forward(
+        q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
+        /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
+    ctx->save_for_backward({q, k, v, out, lse, rng_state, unused});
+    ctx->saved_data["window"] = window;
+    return out;
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const int64_t T = s[0].size(1);
+    const int64_t window = ctx->saved_data["window"].toInt();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s[0].size(3)));
+    auto [dq, dk, dv] = at::_flash_attention_backward(
+        grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], torch::Tensor(), torch::Tensor(), T,
+        T, /*dropout_p=*/0.0, /*is_causal=*/true, s[5], s[6], scale, window - 1,
+        /*window_size_right=*/0);
+    return {dq, dk, dv, torch::Tensor()};
+  }
+};
+
+// fp32 path: SDPA over [B,H,T,D] with an explicit band mask (K/V repeated to H heads; this
+// path exists for precision checks, not for speed).
+torch::Tensor SlidingWindowMasked(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, int64_t window) {
+  const int64_t T = q.size(1), H = q.size(2), G = k.size(2);
+  const auto pos = torch::arange(T, q.options().dtype(torch::kLong));
+  const auto t = pos.unsqueeze(1), s = pos.unsqueeze(0);
+  const auto allowed = (s <= t) & (s > t - window);
+  const auto kh = k.repeat_interleave(H / G, 2).transpose(1, 2);
+  const auto vh = v.repeat_interleave(H / G, 2).transpose(1, 2);
+  return at::scaled_dot_product_attention(q.transpose(1, 2), kh, vh, allowed)
+      .transpose(1, 2)
+      .contiguous();
+}
+
+}  // namespace
+
+bool Available() {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() == 0) return false;
+  return detail::KernelImageLoads();
+}
+
+CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Tensor& k_cmp,
+                                        const torch::Tensor& v_cmp, const Geometry& g) {
+  auto outs = CompressedAttentionFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g);
+  return {outs[0], outs[1]};
+}
+
+torch::Tensor SelectBlocks(const torch::Tensor& importance, int64_t seq_len, const Geometry& g) {
+  return detail::SelectBlocksLaunch(importance.detach(), seq_len, ToGeo(g));
+}
+
+torch::Tensor SelectedAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& block_idx,
+                                const Geometry& g) {
+  return SelectedAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                    block_idx.to(torch::kInt).contiguous(), g);
+}
+
+torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const Geometry& g) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B,T,*,D]");
+  TORCH_CHECK(g.window > 0, "window must be positive");
+  if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
+    return SlidingWindowFlashFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window);
+  }
+  return SlidingWindowMasked(q, k, v, g.window);
+}
+
+}  // namespace nsad::nsa::cuda

@@ -1,0 +1,33 @@
+// CUDA implementations of the NSA branch ops. Same signatures and semantics as the
+// reference in engine/src/nsa/ops.h (read its header comment: it is the contract), and
+// differentiable: each op is an autograd function with a CUDA backward.
+// Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS); callers check Available().
+#pragma once
+
+#include <torch/torch.h>
+
+#include "nsa/ops.h"
+
+namespace nsad::nsa::cuda {
+
+// True when the kernels were compiled for this GPU and a CUDA device is present.
+bool Available();
+
+// Unlike the reference, the kernel never writes the [B,T,H,N] probabilities (at 64k tokens
+// they would be ~13 GB): it maps them straight onto selection blocks, summed over the
+// heads of each GQA group, exactly as SelectBlocksReference does internally.
+struct CmpImportanceResult {
+  torch::Tensor out;         // [B,T,H,D], differentiable w.r.t. q, k_cmp, v_cmp
+  torch::Tensor importance;  // [B,T,G,NumSlcBlocks(T)] float32, detached
+};
+CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Tensor& k_cmp,
+                                        const torch::Tensor& v_cmp, const Geometry& g);
+// importance [B,T,G,NS] -> block indices [B,T,G,n] int32, same rules as the reference.
+torch::Tensor SelectBlocks(const torch::Tensor& importance, int64_t seq_len, const Geometry& g);
+torch::Tensor SelectedAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& block_idx,
+                                const Geometry& g);
+torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                     const torch::Tensor& v, const Geometry& g);
+
+}  // namespace nsad::nsa::cuda

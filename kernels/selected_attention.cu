@@ -1,0 +1,268 @@
+// Selected-block attention (NSA section 3.3.2), forward and backward.
+//
+// Forward and dQ are group-centric: one CTA per (batch, position, group) stages each of the
+// position's selected KV blocks in shared memory once and serves all H/G query heads of the
+// group from it (online softmax over the blocks, no K/V expansion).
+//
+// dK/dV are key-centric: the block index map is inverted on the GPU (a stable sort of
+// (batch, group, block) keys, so each block's query list comes out in position order), and
+// one CTA per (block, slice of at most kQueriesPerCta of its queries) accumulates dK/dV of
+// the block in registers. Block 0 and the local blocks are chosen by every query, so a block
+// can have up to T queries; slicing the lists keeps the grid balanced at the price of one
+// float32 atomic add per key element per slice (not per query) when a list is split.
+//
+// bf16/fp16 inputs run the forward and dQ on tensor cores (mma_tile.cuh): one warp per
+// (batch, position, group) with the group's heads as the 16 MMA rows, K/V fragments loaded
+// straight from L2 with 16-byte loads; four consecutive positions of one group share a CTA,
+// so the blocks they have in common (block 0, the local blocks, ...) are served from L1.
+// fp32 inputs keep the scalar kernels of attention_tile.cuh.
+#include <type_traits>
+
+#include "launch_util.cuh"
+#include "mma_tile.cuh"
+
+namespace nsad::nsa::cuda::detail {
+namespace {
+
+constexpr int kQueriesPerCta = 64;
+
+// Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
+template <typename scalar_t, int D, bool kDq>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    SelectedQueryMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                           const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                           const float* __restrict__ delta, scalar_t* __restrict__ out,
+                           float* __restrict__ lse, Shape s, const int* __restrict__ block_idx,
+                           int n, int slc_block, float scale_log2, float dq_scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  // dQ keeps K fragments live across two products: half the keys per step keeps it in registers.
+  constexpr int kN = kDq ? mma::KeysPerStep<D>() / 2 : mma::KeysPerStep<D>();
+  const int lane = threadIdx.x & 31;
+  const int t = static_cast<int>(blockIdx.x) * mma::kWarps + static_cast<int>(threadIdx.x >> 5);
+  if (t >= s.T) return;  // whole warps
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z), hq = s.hq();
+  const int head[2] = {lane >> 2, (lane >> 2) + 8};  // the lane's two MMA rows
+  const bool valid[2] = {head[0] < hq, head[1] < hq};
+  // Padding rows (heads >= hq) get Q = 0: harmless scores, never stored.
+  mma::RowFrag<D> qa, qb;
+  mma::LoadRow<D>(qa, valid[0] ? q + QueryOffset(s, b, t, grp * hq + head[0]) : nullptr, lane);
+  mma::LoadRow<D>(qb, valid[1] ? q + QueryOffset(s, b, t, grp * hq + head[1]) : nullptr, lane);
+  const int* idx = block_idx + ((static_cast<int64_t>(b) * s.T + t) * s.G + grp) * n;
+  const int64_t stride = static_cast<int64_t>(s.G) * s.D;
+  const auto all = [](int, int) { return true; };  // causality is in the step's key count
+  int64_t row_index[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    row_index[half] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + head[half];
+
+  if constexpr (!kDq) {
+    mma::FwdState<D> st;
+    st.Init();
+    for (int slot = 0; slot < n; ++slot) {
+      const int blk = idx[slot];
+      if (blk < 0) continue;
+      const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
+      for (int start = blk * slc_block; start < end; start += kN) {
+        mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp),
+                                   v + KeyOffset(s, b, start, grp), stride, min(kN, end - start),
+                                   scale_log2, all, lane);
+      }
+    }
+    scalar_t* const out_row[2] = {valid[0] ? out + row_index[0] * s.D : nullptr,
+                                  valid[1] ? out + row_index[1] * s.D : nullptr};
+    float* const lse_row[2] = {lse + row_index[0], lse + row_index[1]};
+    mma::FwdFinish<kBf16, D>(st, out_row, lse_row, lane);
+  } else {
+    mma::RowFrag<D> da, db;
+    mma::LoadRow<D>(da, valid[0] ? dout + row_index[0] * s.D : nullptr, lane);
+    mma::LoadRow<D>(db, valid[1] ? dout + row_index[1] * s.D : nullptr, lane);
+    const float row_lse[2] = {valid[0] ? lse[row_index[0]] : INFINITY,
+                              valid[1] ? lse[row_index[1]] : INFINITY};
+    const float row_delta[2] = {valid[0] ? delta[row_index[0]] : 0.f,
+                                valid[1] ? delta[row_index[1]] : 0.f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int slot = 0; slot < n; ++slot) {
+      const int blk = idx[slot];
+      if (blk < 0) continue;
+      const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
+      for (int start = blk * slc_block; start < end; start += kN) {
+        mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
+                                  v + KeyOffset(s, b, start, grp), stride, min(kN, end - start),
+                                  scale_log2, row_lse, row_delta, all, lane);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (valid[half]) mma::StoreRow<kBf16, D>(out + row_index[half] * s.D, acc, half, dq_scale, lane);
+  }
+}
+
+template <typename scalar_t, int D, bool kDq>
+void LaunchSelectedQueryMma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor* dout, const at::Tensor* delta, at::Tensor& out,
+                            const at::Tensor& lse, const Shape& s, const at::Tensor& block_idx,
+                            const Geo& g) {
+  const dim3 grid((s.T + mma::kWarps - 1) / mma::kWarps, s.G, s.B);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
+  SelectedQueryMmaKernel<scalar_t, D, kDq>
+      <<<grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+          dout ? dout->data_ptr<scalar_t>() : nullptr, delta ? delta->data_ptr<float>() : nullptr,
+          out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, block_idx.data_ptr<int>(),
+          static_cast<int>(block_idx.size(3)), g.slc_block, scale * kLog2e, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+struct SelectedQueryPolicy {
+  const int* block_idx;  // [B,T,G,n]
+  int n, slc_block;
+
+  __device__ QueryTile Tile(const Shape&) const {
+    return {static_cast<int>(blockIdx.z), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
+            1, true};
+  }
+  __device__ int NumChunks(const Shape&, const QueryTile&) const { return n; }
+  __device__ KeyChunk Chunk(const Shape& s, const QueryTile& tile, int slot) const {
+    const int blk = block_idx[((static_cast<int64_t>(tile.b) * s.T + tile.t0) * s.G + tile.g) * n + slot];
+    if (blk < 0) return {0, 0};
+    const int start = blk * slc_block;
+    const int end = min(min(start + slc_block, s.T), tile.t0 + 1);  // causal inside the block
+    return {start, max(0, end - start)};
+  }
+  __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
+};
+
+struct SelectedKeyPolicy {
+  const int64_t* chunk_off;  // [S+1]: first work item of each (b, g, block) segment
+  const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_t
+  const int* sorted_t;       // query positions, grouped by segment, ascending inside
+  int num_segments, NS, slc_block;
+
+  __device__ KeyWork Work(const Shape& s) const {
+    KeyWork w{};
+    const int64_t item = blockIdx.x;
+    if (item >= chunk_off[num_segments]) return w;  // grid is an upper bound
+    int lo = 0, hi = num_segments - 1;              // last segment with chunk_off <= item
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (chunk_off[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    const int seg = lo;
+    const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * kQueriesPerCta;
+    const int blk = seg % NS, bg = seg / NS;
+    w.b = bg / s.G;
+    w.g = bg % s.G;
+    w.keys = {blk * slc_block, min(slc_block, s.T - blk * slc_block)};
+    w.num_queries = static_cast<int>(min(static_cast<int64_t>(kQueriesPerCta), seg_off[seg + 1] - first));
+    w.query_base = first;
+    w.valid = true;
+    return w;
+  }
+  __device__ int Query(const KeyWork& w, int i) const { return sorted_t[w.query_base + i]; }
+  __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
+};
+
+void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& block_idx, const Geo& g) {
+  CheckInput(q, "q", 4);
+  CheckInput(k, "k", 4);
+  CheckInput(v, "v", 4);
+  CheckInput(block_idx, "block_idx", 4);
+  CheckKv(q, k, v);
+  TORCH_CHECK(block_idx.scalar_type() == at::kInt, "block_idx must be int32");
+  TORCH_CHECK(k.size(1) == q.size(1), "k must have as many positions as q");
+  TORCH_CHECK(block_idx.size(0) == q.size(0) && block_idx.size(1) == q.size(1) &&
+                  block_idx.size(2) == k.size(2),
+              "block_idx must be [B,T,G,n], got ", block_idx.sizes());
+  TORCH_CHECK(g.slc_block > 0 && g.slc_block <= kKeyChunk, "selection block must be in [1, ",
+              kKeyChunk, "], got ", g.slc_block);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v,
+                                                   const at::Tensor& block_idx, const Geo& g) {
+  CheckSelected(q, k, v, block_idx, g);
+  const Shape s = MakeShape(q, k);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
+  const int rows = s.hq();
+  const SelectedQueryPolicy pol{block_idx.data_ptr<int>(), static_cast<int>(block_idx.size(3)),
+                                g.slc_block};
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
+  NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_fwd", [&] {
+    DispatchHeadDim(s.D, [&](auto dim) {
+      constexpr int D = decltype(dim)::value;
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g);
+      } else {
+        Launch(AttnFwdKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
+               FwdSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+               v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, pol,
+               scale_log2, rows);
+      }
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
+    const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g) {
+  CheckSelected(q, k, v, block_idx, g);
+  const auto dout = dout_in.contiguous();
+  const Shape s = MakeShape(q, k);
+  const int n = static_cast<int>(block_idx.size(3));
+  const int NS = (s.T + g.slc_block - 1) / g.slc_block;
+  const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
+  const auto delta = RowDot(dout, out);
+  auto dq = at::empty_like(q);
+  auto dk_acc = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
+  auto dv_acc = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+
+  // Invert the block map: segment id (b, g, block) per entry, unused slots sorted last.
+  const auto lopts = block_idx.options().dtype(at::kLong);
+  const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
+  const auto idx = block_idx.to(at::kLong);
+  const auto bs = at::arange(s.B, lopts).view({s.B, 1, 1, 1});
+  const auto gs = at::arange(s.G, lopts).view({1, 1, s.G, 1});
+  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, lopts)).flatten();
+  const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
+  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, lopts));
+  const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
+  const auto chunks = (counts + (kQueriesPerCta - 1)).div(kQueriesPerCta, "floor");
+  const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
+  const int64_t max_items = S + seg.numel() / kQueriesPerCta + 1;  // >= chunk_off[S]
+  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), seg_off.data_ptr<int64_t>(),
+                               sorted_t.data_ptr<int>(), static_cast<int>(S), NS, g.slc_block};
+  const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
+  const int rows = s.hq();
+  NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_bwd", [&] {
+    DispatchHeadDim(s.D, [&](auto dim) {
+      constexpr int D = decltype(dim)::value;
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g);
+      } else {
+        Launch(AttnDqKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
+               DqSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+               v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+               delta.data_ptr<float>(), dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
+      }
+      if (S > 0) {
+        Launch(AttnDkDvKernel<scalar_t, D, SelectedKeyPolicy>, dim3(static_cast<unsigned>(max_items)),
+               DkDvSmemFloats(D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+               v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+               delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol,
+               scale);
+      }
+    });
+  });
+  return {dq, dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
+}
+
+}  // namespace nsad::nsa::cuda::detail

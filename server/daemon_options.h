@@ -1,0 +1,34 @@
+// Command-line options of the nsad daemon, and the wiring of optional pieces.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "run_manager.h"
+
+namespace nsad::server {
+
+struct DaemonOptions {
+  std::string listen_address = "127.0.0.1:50051";  // gRPC; port 0 = any free port
+  std::string metrics_address = "127.0.0.1:9464";  // Prometheus /metrics; "off" disables
+  std::string alert_webhook_address = "off";       // Alertmanager webhook; e.g. 127.0.0.1:9465
+  std::string state_dir = "nsad-state";            // run records and checkpoints
+  std::string log_level = "info";
+};
+
+// Accepts --name=value and --name value. On failure returns false with *error set
+// ("help" for --help).
+bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::string* error);
+std::string DaemonUsage();
+
+// Deep data checks (shard headers, vocabulary) run at StartRun so that bad data is an
+// INVALID_ARGUMENT for the caller, not a failed run later.
+ConfigChecker DefaultConfigChecker();
+
+// Starts the Alertmanager webhook on `address` unless it is "off"; the returned object
+// stops it when destroyed; *bound_port is its port (0 when off or failed). Never throws: a
+// webhook that cannot start is logged and the daemon goes on without it.
+std::shared_ptr<void> StartAlertWebhook(const std::string& address, RunManager* runs,
+                                        int* bound_port);
+
+}  // namespace nsad::server

@@ -1,0 +1,55 @@
+// Prometheus metrics of the daemon (names are a contract with deploy/ and dashboards/).
+// The exposer is optional: if the metrics address cannot be bound, the daemon logs it and
+// keeps training (seen on the GPU machine: CivetServer failing to start).
+#pragma once
+
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "nsa/v1/trainer.pb.h"
+#include "nsad/engine.h"
+
+namespace nsad::server {
+
+class Metrics {
+ public:
+  Metrics();
+
+  // Starts serving /metrics on host:port. Returns "" or why it could not start.
+  std::string Serve(const std::string& address);
+  // Port actually bound (useful with port 0); 0 when not serving.
+  int bound_port() const;
+
+  void SetState(const std::string& run_id, nsa::v1::RunState state);
+  void RecordStep(const std::string& run_id, const std::string& backend, const StepMetrics& m);
+  void RecordValLoss(const std::string& run_id, double loss);
+  void RecordGates(const std::string& run_id, const GateReport& report);
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::mutex mutex_;  // guards per-state run counts
+  prometheus::Family<prometheus::Gauge>& step_;
+  prometheus::Family<prometheus::Gauge>& loss_;
+  prometheus::Family<prometheus::Gauge>& val_loss_;
+  prometheus::Family<prometheus::Gauge>& tokens_per_second_;
+  prometheus::Family<prometheus::Counter>& tokens_total_;
+  prometheus::Family<prometheus::Gauge>& grad_norm_;
+  prometheus::Family<prometheus::Gauge>& lr_;
+  prometheus::Family<prometheus::Gauge>& state_;
+  prometheus::Family<prometheus::Gauge>& gate_mean_;
+  prometheus::Family<prometheus::Gauge>& selected_blocks_;
+  prometheus::Family<prometheus::Gauge>& runs_;
+  std::map<std::string, nsa::v1::RunState> run_states_;
+};
+
+}  // namespace nsad::server

@@ -1,0 +1,490 @@
+#include "run_manager.h"
+
+#include <fcntl.h>
+#include <google/protobuf/util/json_util.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "config_mapping.h"
+
+namespace nsad::server {
+
+namespace fs = std::filesystem;
+using nsa::v1::RunState;
+
+namespace {
+
+constexpr size_t kMaxEventsKept = 1024;  // a watcher further behind resumes from the latest
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bool IsTerminal(RunState s) {
+  return s == nsa::v1::HALTED || s == nsa::v1::COMPLETED || s == nsa::v1::FAILED;
+}
+
+std::string StateName(RunState s) { return nsa::v1::RunState_Name(s); }
+
+grpc::Status Precondition(const std::string& run_id, RunState s, const std::string& wanted) {
+  return {grpc::StatusCode::FAILED_PRECONDITION,
+          "run " + run_id + " is " + StateName(s) + ": cannot " + wanted};
+}
+
+// write tmp -> fsync -> rename: a crash leaves either the old or the new file, never half.
+void WriteFileAtomically(const fs::path& path, const std::string& content) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + tmp.string());
+  size_t done = 0;
+  while (done < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    if (n <= 0) {
+      ::close(fd);
+      throw std::runtime_error("short write to " + tmp.string());
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::fsync(fd);
+  ::close(fd);
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+struct RunManager::Run {
+  std::mutex mutex;
+  std::condition_variable changed;  // state, progress or events changed
+  nsa::v1::RunInfo info;
+  TrainConfig config;
+  std::deque<nsa::v1::RunEvent> events;
+  int64_t next_sequence = 1;
+  GateReport gates;
+  bool has_gates = false;
+  double step_seconds = 0.0;
+  std::thread thread;
+};
+
+RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
+                       ConfigChecker checker)
+    : state_dir_(std::move(state_dir)),
+      metrics_(metrics),
+      factory_(std::move(factory)),
+      checker_(std::move(checker)) {
+  fs::create_directories(fs::path(state_dir_) / "runs");
+  LoadPersistedRuns();
+}
+
+RunManager::~RunManager() {
+  Shutdown();
+  std::map<std::string, std::shared_ptr<Run>> runs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    runs = runs_;
+  }
+  for (auto& [id, run] : runs) {
+    if (run->thread.joinable()) run->thread.join();
+  }
+}
+
+void RunManager::Shutdown() {
+  std::map<std::string, std::shared_ptr<Run>> runs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (shutting_down_) return;
+    shutting_down_ = true;
+    runs = runs_;
+  }
+  for (auto& [id, run] : runs) {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    if (!IsTerminal(run->info.state()) && run->info.state() != nsa::v1::HALTING) {
+      Transition(*run, nsa::v1::HALTING, "daemon shutting down");
+    }
+    run->changed.notify_all();
+  }
+}
+
+void RunManager::LoadPersistedRuns() {
+  for (const auto& entry : fs::directory_iterator(fs::path(state_dir_) / "runs")) {
+    const fs::path file = entry.path() / "run.json";
+    if (!fs::exists(file)) continue;
+    std::ifstream in(file);
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    auto run = std::make_shared<Run>();
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = true;  // records written by a newer daemon stay readable
+    if (!google::protobuf::util::JsonStringToMessage(buffer.str(), &run->info, options).ok()) {
+      spdlog::warn("ignoring unreadable run record {}", file.string());
+      continue;
+    }
+    run->config = FromProto(run->info.config());
+    if (!IsTerminal(run->info.state())) {
+      // The process that ran it is gone; say so instead of showing a run that never moves.
+      run->info.set_message("daemon stopped while the run was " + StateName(run->info.state()));
+      run->info.set_state(nsa::v1::FAILED);
+      Persist(*run);
+    }
+    const std::string& id = run->info.run_id();
+    if (id.rfind("run-", 0) == 0) {
+      try {
+        next_id_ = std::max<int64_t>(next_id_, std::stoll(id.substr(4)) + 1);
+      } catch (const std::exception&) {
+      }
+    }
+    metrics_->SetState(id, run->info.state());
+    runs_[id] = run;
+  }
+  if (!runs_.empty()) spdlog::info("loaded {} run records from {}", runs_.size(), state_dir_);
+}
+
+std::string RunManager::NextRunId() {
+  char id[32];
+  std::snprintf(id, sizeof(id), "run-%06lld", static_cast<long long>(next_id_++));
+  return id;
+}
+
+grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1::RunInfo* out) {
+  nsa::v1::RunConfig proto;
+  switch (request.source_case()) {
+    case nsa::v1::StartRunRequest::kConfig:
+      proto = request.config();
+      break;
+    case nsa::v1::StartRunRequest::kConfigJson: {
+      const std::string error = ParseRunConfigJson(request.config_json(), &proto);
+      if (!error.empty()) {
+        return {grpc::StatusCode::INVALID_ARGUMENT, "config_json: " + error};
+      }
+      break;
+    }
+    default:
+      return {grpc::StatusCode::INVALID_ARGUMENT, "config: required (config or config_json)"};
+  }
+  const auto unknown = UnknownFieldPaths(proto);
+  if (!unknown.empty()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "config: unknown field " + unknown.front() + " (client newer than daemon?)"};
+  }
+  TrainConfig config = FromProto(proto);
+  auto errors = ValidateConfig(config);
+  if (errors.empty() && checker_) errors = checker_(config);
+  if (!errors.empty()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "invalid config: " + FormatFieldErrors(errors)};
+  }
+
+  auto run = std::make_shared<Run>();
+  run->config = config;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (shutting_down_) return {grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"};
+    run->info.set_run_id(NextRunId());
+    runs_[run->info.run_id()] = run;
+  }
+  {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    *run->info.mutable_config() = ToProto(config);
+    run->info.set_attention_backend(ToProto(config.attention_backend));
+    run->info.set_created_unix_ms(NowMs());
+    run->info.mutable_progress()->set_max_steps(config.max_steps);
+    run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
+    fs::create_directories(fs::path(state_dir_) / "runs" / run->info.run_id());
+    Transition(*run, nsa::v1::PENDING, "");
+    *out = run->info;
+  }
+  spdlog::info("run {} started: {}", out->run_id(), config.name);
+  run->thread = std::thread([this, run] { Execute(run); });
+  return grpc::Status::OK;
+}
+
+void RunManager::Execute(const std::shared_ptr<Run>& run) {
+  const std::string id = run->info.run_id();
+  std::unique_ptr<Trainer> trainer;
+  try {
+    trainer = factory_(run->config);
+  } catch (const ConfigError& e) {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());
+    return;
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    Transition(*run, nsa::v1::FAILED, std::string("could not build the trainer: ") + e.what());
+    return;
+  }
+  const std::string backend = ToString(trainer->attention_backend());
+  {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    run->info.set_device(trainer->device());
+    run->info.set_attention_backend(ToProto(trainer->attention_backend()));
+    run->info.set_parameter_count(trainer->parameter_count());
+    if (run->info.state() == nsa::v1::PENDING) Transition(*run, nsa::v1::RUNNING, "");
+  }
+  spdlog::info("run {}: {} parameters on {} (attention backend {})", id,
+               trainer->parameter_count(), trainer->device(), backend);
+
+  const TrainConfig& config = run->config;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(run->mutex);
+      if (run->info.state() == nsa::v1::PAUSING) Transition(*run, nsa::v1::PAUSED, "");
+      run->changed.wait(lock, [&] { return run->info.state() != nsa::v1::PAUSED; });
+      if (run->info.state() == nsa::v1::HALTING) {
+        Transition(*run, nsa::v1::HALTED, run->info.message());
+        break;
+      }
+    }
+    StepMetrics m;
+    double val_loss = std::numeric_limits<double>::quiet_NaN();
+    try {
+      m = trainer->Step();
+      if (config.eval_every > 0 && (m.step % config.eval_every == 0 || trainer->finished())) {
+        val_loss = trainer->Evaluate();
+      }
+    } catch (const TrainingHalt& e) {
+      spdlog::error("run {} halted by the engine at step {}: {}", id, e.step(), e.what());
+      std::lock_guard<std::mutex> lock(run->mutex);
+      Transition(*run, nsa::v1::HALTED, e.what());
+      break;
+    } catch (const std::exception& e) {
+      spdlog::error("run {} failed: {}", id, e.what());
+      std::lock_guard<std::mutex> lock(run->mutex);
+      Transition(*run, nsa::v1::FAILED, e.what());
+      break;
+    }
+    const GateReport gates = trainer->gates();
+    metrics_->RecordStep(id, backend, m);
+    metrics_->RecordGates(id, gates);
+    if (!std::isnan(val_loss)) metrics_->RecordValLoss(id, val_loss);
+
+    std::lock_guard<std::mutex> lock(run->mutex);
+    auto* p = run->info.mutable_progress();
+    p->set_step(m.step);
+    p->set_loss(m.loss);
+    p->set_lr(m.lr);
+    p->set_grad_norm(m.grad_norm);
+    p->set_tokens_per_second(m.tokens_per_second);
+    p->set_tokens_seen(m.tokens_seen);
+    p->set_elapsed_seconds(p->elapsed_seconds() + m.step_seconds);
+    if (!std::isnan(val_loss)) {
+      p->set_val_loss(val_loss);
+      p->set_val_step(m.step);
+    }
+    run->step_seconds = m.step_seconds;
+    run->gates = gates;
+    run->has_gates = true;
+    run->info.set_updated_unix_ms(NowMs());
+    if (trainer->finished()) {
+      Transition(*run, nsa::v1::COMPLETED, "");
+      break;
+    }
+    if (m.step % config.log_every == 0 || !std::isnan(val_loss)) Publish(*run);
+  }
+  spdlog::info("run {} ended {} at step {}", id, StateName(run->info.state()),
+               run->info.progress().step());
+}
+
+void RunManager::Transition(Run& run, RunState state, const std::string& message) {
+  run.info.set_state(state);
+  run.info.set_message(message);
+  run.info.set_updated_unix_ms(NowMs());
+  metrics_->SetState(run.info.run_id(), state);
+  try {
+    Persist(run);
+  } catch (const std::exception& e) {
+    spdlog::error("run {}: cannot persist state: {}", run.info.run_id(), e.what());
+  }
+  Publish(run);
+}
+
+void RunManager::Publish(Run& run) {
+  nsa::v1::RunEvent event;
+  event.set_sequence(run.next_sequence++);
+  event.set_state(run.info.state());
+  *event.mutable_progress() = run.info.progress();
+  event.set_message(run.info.message());
+  run.events.push_back(std::move(event));
+  if (run.events.size() > kMaxEventsKept) run.events.pop_front();
+  run.changed.notify_all();
+}
+
+void RunManager::Persist(const Run& run) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  google::protobuf::util::MessageToJsonString(run.info, &json, options);
+  WriteFileAtomically(fs::path(state_dir_) / "runs" / run.info.run_id() / "run.json", json);
+}
+
+std::shared_ptr<RunManager::Run> RunManager::Find(const std::string& run_id, grpc::Status* status) {
+  if (run_id.empty()) {
+    *status = {grpc::StatusCode::INVALID_ARGUMENT, "run_id: required"};
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = runs_.find(run_id);
+  if (it == runs_.end()) {
+    *status = {grpc::StatusCode::NOT_FOUND, "run_id: no run " + run_id};
+    return nullptr;
+  }
+  return it->second;
+}
+
+grpc::Status RunManager::Pause(const std::string& run_id, nsa::v1::RunInfo* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  const RunState s = run->info.state();
+  if (s != nsa::v1::PENDING && s != nsa::v1::RUNNING) return Precondition(run_id, s, "pause");
+  Transition(*run, nsa::v1::PAUSING, "");
+  *out = run->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Resume(const std::string& run_id, nsa::v1::RunInfo* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  const RunState s = run->info.state();
+  if (s != nsa::v1::PAUSING && s != nsa::v1::PAUSED) return Precondition(run_id, s, "resume");
+  // A run still building its trainer stays PENDING; Execute moves it to RUNNING.
+  const bool started = run->info.parameter_count() > 0;
+  Transition(*run, started ? nsa::v1::RUNNING : nsa::v1::PENDING, "");
+  *out = run->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Halt(const std::string& run_id, const std::string& reason,
+                              nsa::v1::RunInfo* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  const RunState s = run->info.state();
+  if (IsTerminal(s) || s == nsa::v1::HALTING) return Precondition(run_id, s, "halt");
+  Transition(*run, nsa::v1::HALTING, reason.empty() ? "halted by request" : reason);
+  spdlog::info("run {} halting: {}", run_id, run->info.message());
+  *out = run->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Get(const std::string& run_id, nsa::v1::RunInfo* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  *out = run->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::List(const nsa::v1::ListRunsRequest& request,
+                              nsa::v1::ListRunsResponse* out) {
+  for (int s : request.states()) {
+    if (!nsa::v1::RunState_IsValid(s) || s == nsa::v1::RUN_STATE_UNSPECIFIED) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, "states: invalid state " + std::to_string(s)};
+    }
+  }
+  std::map<std::string, std::shared_ptr<Run>> runs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    runs = runs_;
+  }
+  for (auto& [id, run] : runs) {  // std::map: ordered by id, i.e. by creation
+    std::lock_guard<std::mutex> lock(run->mutex);
+    bool wanted = request.states().empty();
+    for (int s : request.states()) wanted = wanted || s == run->info.state();
+    if (wanted) *out->add_runs() = run->info;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Watch(const std::string& run_id, grpc::ServerContext* context,
+                               grpc::ServerWriterInterface<nsa::v1::RunEvent>* writer) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::unique_lock<std::mutex> lock(run->mutex);
+  // First the current state, then every event published after it.
+  nsa::v1::RunEvent current;
+  current.set_sequence(run->next_sequence - 1);
+  current.set_state(run->info.state());
+  *current.mutable_progress() = run->info.progress();
+  current.set_message(run->info.message());
+  int64_t last_sent = current.sequence();
+  lock.unlock();
+  if (!writer->Write(current)) return grpc::Status::OK;
+  if (IsTerminal(current.state())) return grpc::Status::OK;
+
+  while (true) {
+    std::vector<nsa::v1::RunEvent> pending;
+    lock.lock();
+    run->changed.wait_for(lock, std::chrono::milliseconds(200),
+                          [&] { return run->next_sequence - 1 > last_sent; });
+    for (const auto& event : run->events) {
+      if (event.sequence() > last_sent) pending.push_back(event);
+    }
+    lock.unlock();
+    for (const auto& event : pending) {
+      if (!writer->Write(event)) return grpc::Status::OK;  // client went away
+      last_sent = event.sequence();
+      if (IsTerminal(event.state())) return grpc::Status::OK;
+    }
+    if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "watch cancelled"};
+  }
+}
+
+grpc::Status RunManager::Gates(const std::string& run_id, nsa::v1::InspectGatesResponse* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  if (!run->has_gates) {
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            "run " + run_id + " has not completed a step yet: no gate statistics"};
+  }
+  out->set_run_id(run_id);
+  out->set_step(run->gates.step);
+  for (const auto& layer : run->gates.layers) {
+    auto* l = out->add_layers();
+    l->set_layer(layer.layer);
+    l->mutable_mean()->set_cmp(layer.mean.cmp);
+    l->mutable_mean()->set_slc(layer.mean.slc);
+    l->mutable_mean()->set_win(layer.mean.win);
+    l->mutable_stddev()->set_cmp(layer.stddev.cmp);
+    l->mutable_stddev()->set_slc(layer.stddev.slc);
+    l->mutable_stddev()->set_win(layer.stddev.win);
+    l->set_mean_selected_blocks(layer.mean_selected_blocks);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Throughput(const std::string& run_id,
+                                    nsa::v1::GetThroughputResponse* out) {
+  grpc::Status status;
+  auto run = Find(run_id, &status);
+  if (!run) return status;
+  std::lock_guard<std::mutex> lock(run->mutex);
+  const auto& p = run->info.progress();
+  out->set_run_id(run_id);
+  out->set_step(p.step());
+  out->set_tokens_per_second(p.tokens_per_second());
+  out->set_tokens_seen(p.tokens_seen());
+  out->set_step_seconds(run->step_seconds);
+  out->set_mean_tokens_per_second(p.elapsed_seconds() > 0 ? p.tokens_seen() / p.elapsed_seconds()
+                                                           : 0.0);
+  return grpc::Status::OK;
+}
+
+}  // namespace nsad::server

@@ -1,0 +1,75 @@
+// Hosts training runs: one thread per run drives an engine Trainer step by step, and
+// control requests (pause, resume, halt) take effect between steps. Every transition is
+// persisted to <state_dir>/runs/<run_id>/run.json (atomically) and published to watchers.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "metrics.h"
+#include "nsa/v1/trainer.pb.h"
+#include "nsad/engine.h"
+
+namespace nsad::server {
+
+using TrainerFactory = std::function<std::unique_ptr<Trainer>(const TrainConfig&)>;
+// Checks a config beyond ValidateConfig (e.g. the shards' contents) before a run is
+// created; returns field errors. Empty by default.
+using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>;
+
+class RunManager {
+ public:
+  RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
+             ConfigChecker checker = nullptr);
+  ~RunManager();  // halts every live run and joins its thread
+  RunManager(const RunManager&) = delete;
+  RunManager& operator=(const RunManager&) = delete;
+
+  grpc::Status Start(const nsa::v1::StartRunRequest& request, nsa::v1::RunInfo* out);
+  grpc::Status Pause(const std::string& run_id, nsa::v1::RunInfo* out);
+  grpc::Status Resume(const std::string& run_id, nsa::v1::RunInfo* out);
+  grpc::Status Halt(const std::string& run_id, const std::string& reason, nsa::v1::RunInfo* out);
+  grpc::Status Get(const std::string& run_id, nsa::v1::RunInfo* out);
+  grpc::Status List(const nsa::v1::ListRunsRequest& request, nsa::v1::ListRunsResponse* out);
+  // Blocks, streaming events until the run ends, the client cancels or the daemon stops.
+  grpc::Status Watch(const std::string& run_id, grpc::ServerContext* context,
+                     grpc::ServerWriterInterface<nsa::v1::RunEvent>* writer);
+  grpc::Status Gates(const std::string& run_id, nsa::v1::InspectGatesResponse* out);
+  grpc::Status Throughput(const std::string& run_id, nsa::v1::GetThroughputResponse* out);
+
+  // Stops accepting work and halts every live run (SIGTERM path); idempotent.
+  void Shutdown();
+
+ private:
+  struct Run;
+
+  std::shared_ptr<Run> Find(const std::string& run_id, grpc::Status* status);
+  std::string NextRunId();
+  void LoadPersistedRuns();
+  void Execute(const std::shared_ptr<Run>& run);
+  // Caller holds run->mutex.
+  void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
+  void Publish(Run& run);
+  void Persist(const Run& run);
+
+  const std::string state_dir_;
+  Metrics* metrics_;
+  TrainerFactory factory_;
+  ConfigChecker checker_;
+
+  std::mutex mutex_;  // guards runs_, next_id_, shutting_down_
+  std::map<std::string, std::shared_ptr<Run>> runs_;
+  int64_t next_id_ = 1;
+  bool shutting_down_ = false;
+};
+
+}  // namespace nsad::server

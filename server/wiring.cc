@@ -1,0 +1,53 @@
+#include <spdlog/spdlog.h>
+
+#include "daemon_options.h"
+#include "data/data_error.h"
+#include "data/dataset.h"
+#ifdef NSAD_HAVE_ALERT_WEBHOOK
+#include "alert_webhook.h"
+#endif
+
+namespace nsad::server {
+
+ConfigChecker DefaultConfigChecker() {
+  return [](const TrainConfig& config) -> std::vector<FieldError> {
+    auto errors = CheckRuntime(config);
+    if (!errors.empty()) return errors;
+    try {
+      data::ValidateDataset(config.data, config.seq_len, config.model.vocab_size);
+    } catch (const data::DataError& e) {
+      errors.push_back({e.field(), e.message()});
+    }
+    return errors;
+  };
+}
+
+std::shared_ptr<void> StartAlertWebhook(const std::string& address, RunManager* runs,
+                                        int* bound_port) {
+  *bound_port = 0;
+  if (address == "off") return nullptr;
+#ifdef NSAD_HAVE_ALERT_WEBHOOK
+  try {
+    auto server = std::make_shared<AlertWebhookServer>(
+        address, [runs](const std::string& run_id, const std::string& reason) -> std::string {
+          nsa::v1::RunInfo info;
+          const grpc::Status status = runs->Halt(run_id, reason, &info);
+          // Echoed in the webhook's reply: the new state, or why the halt was refused.
+          if (status.ok()) return nsa::v1::RunState_Name(info.state());
+          return status.error_message();
+        });
+    *bound_port = server->port();
+    spdlog::info("Alertmanager webhook on port {} (POST {})", *bound_port, AlertWebhookServer::kPath);
+    return server;
+  } catch (const std::exception& e) {
+    spdlog::error("Alertmanager webhook {} could not start ({}); continuing without it", address,
+                  e.what());
+    return nullptr;
+  }
+#else
+  spdlog::error("this build has no Alertmanager webhook; ignoring --alert-webhook {}", address);
+  return nullptr;
+#endif
+}
+
+}  // namespace nsad::server

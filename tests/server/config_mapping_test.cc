@@ -1,0 +1,116 @@
+// The proto <-> engine config mapping and validation: defaults, strict JSON, field names.
+#include <gtest/gtest.h>
+
+#include "config_mapping.h"
+#include "daemon_options.h"
+
+namespace nsad::server {
+namespace {
+
+TEST(ConfigMapping, UnsetFieldsTakeEngineDefaultsAndSetFieldsWin) {
+  nsa::v1::RunConfig proto;
+  proto.set_seq_len(77);
+  proto.mutable_model()->mutable_nsa()->set_window(99);
+  const TrainConfig config = FromProto(proto);
+  const TrainConfig defaults;
+  EXPECT_EQ(config.seq_len, 77);
+  EXPECT_EQ(config.model.nsa.window, 99);
+  EXPECT_EQ(config.model.nsa.cmp_block, defaults.model.nsa.cmp_block);
+  EXPECT_EQ(config.batch_size, defaults.batch_size);
+  EXPECT_FLOAT_EQ(config.optim.lr, defaults.optim.lr);
+}
+
+TEST(ConfigMapping, ExplicitZeroIsKeptSoValidationCanRejectIt) {
+  nsa::v1::RunConfig proto;
+  ASSERT_EQ(ParseRunConfigJson(R"({"seq_len": 0})", &proto), "");
+  const TrainConfig config = FromProto(proto);
+  EXPECT_EQ(config.seq_len, 0);
+  const auto errors = ValidateConfig(config);
+  bool named = false;
+  for (const auto& e : errors) named = named || e.field == "seq_len";
+  EXPECT_TRUE(named) << FormatFieldErrors(errors);
+}
+
+TEST(ConfigMapping, EffectiveConfigRoundTripsAndSetsEveryField) {
+  TrainConfig config;
+  config.name = "x";
+  config.model.dim = 96;
+  config.data.train_path = "/tmp/shards";
+  config.attention_backend = AttentionBackend::kReference;
+  const nsa::v1::RunConfig proto = ToProto(config);
+  EXPECT_TRUE(proto.has_seq_len());
+  EXPECT_TRUE(proto.model().nsa().has_slc_top_n());
+  EXPECT_EQ(proto.model().mlp_hidden(), EffectiveMlpHidden(config.model))
+      << "the effective config reports the derived MLP width, not 0";
+  const TrainConfig back = FromProto(proto);
+  EXPECT_EQ(back.model.dim, 96);
+  EXPECT_EQ(back.data.train_path, "/tmp/shards");
+  EXPECT_EQ(back.attention_backend, AttentionBackend::kReference);
+  EXPECT_EQ(ToProto(back).SerializeAsString(), proto.SerializeAsString());
+}
+
+TEST(ConfigMapping, StrictJsonNamesUnknownAndMistypedFields) {
+  nsa::v1::RunConfig proto;
+  EXPECT_EQ(ParseRunConfigJson(R"({"model": {"nsa": {"windw": 3}}})", &proto),
+            "model.nsa.windw: unknown field");
+  EXPECT_EQ(ParseRunConfigJson(R"({"bogus": 1})", &proto), "bogus: unknown field");
+  EXPECT_NE(ParseRunConfigJson(R"({"batch_size": "eight"})", &proto).find("batch_size"),
+            std::string::npos);
+  EXPECT_NE(ParseRunConfigJson("[1, 2]", &proto), "");
+  EXPECT_EQ(ParseRunConfigJson(R"({"attention_backend": "ATTENTION_BACKEND_CUDA"})", &proto), "");
+  EXPECT_EQ(proto.attention_backend(), nsa::v1::ATTENTION_BACKEND_CUDA);
+}
+
+TEST(ConfigMapping, UnknownBinaryFieldsFromANewerClientAreFound) {
+  nsa::v1::RunConfig proto;
+  proto.set_seq_len(8);
+  proto.mutable_model()->set_dim(16);
+  // Append field 99 (varint) to the nested model message, as a newer client would.
+  std::string model_bytes = proto.model().SerializeAsString();
+  model_bytes += std::string("\x98\x06\x01", 3);  // tag (99 << 3 | 0) = 792 -> 0x98 0x06
+  nsa::v1::ModelConfig model;
+  ASSERT_TRUE(model.ParseFromString(model_bytes));
+  *proto.mutable_model() = model;
+  const auto unknown = UnknownFieldPaths(proto);
+  ASSERT_EQ(unknown.size(), 1u);
+  EXPECT_EQ(unknown[0], "model.#99");
+  EXPECT_TRUE(UnknownFieldPaths(nsa::v1::RunConfig()).empty());
+}
+
+TEST(Validation, ReportsEveryBadFieldWithTheValue) {
+  TrainConfig config;
+  config.data.train_path = "/";
+  config.model.dim = -1;
+  config.model.nsa.slc_top_n = 2;
+  config.optim.beta1 = 1.0f;
+  config.device = "cuda:x";
+  const auto errors = ValidateConfig(config);
+  const std::string all = FormatFieldErrors(errors);
+  EXPECT_NE(all.find("model.dim: must be positive (got -1)"), std::string::npos) << all;
+  EXPECT_NE(all.find("model.nsa.slc_top_n"), std::string::npos) << all;
+  EXPECT_NE(all.find("optim.beta1"), std::string::npos) << all;
+  EXPECT_NE(all.find("device"), std::string::npos) << all;
+  TrainConfig ok;
+  ok.data.train_path = "/";
+  EXPECT_TRUE(ValidateConfig(ok).empty()) << FormatFieldErrors(ValidateConfig(ok));
+}
+
+TEST(DaemonOptions, ParsesBothFlagFormsAndRejectsUnknownOnes) {
+  DaemonOptions options;
+  std::string error;
+  const char* argv[] = {"nsad", "--listen=0.0.0.0:1", "--state-dir", "/tmp/s", "--metrics", "off"};
+  ASSERT_TRUE(ParseDaemonOptions(6, const_cast<char**>(argv), &options, &error)) << error;
+  EXPECT_EQ(options.listen_address, "0.0.0.0:1");
+  EXPECT_EQ(options.state_dir, "/tmp/s");
+  EXPECT_EQ(options.metrics_address, "off");
+  const char* bad[] = {"nsad", "--lisen", "x"};
+  EXPECT_FALSE(ParseDaemonOptions(3, const_cast<char**>(bad), &options, &error));
+  EXPECT_NE(error.find("--lisen"), std::string::npos);
+  const char* missing[] = {"nsad", "--state-dir"};
+  EXPECT_FALSE(ParseDaemonOptions(2, const_cast<char**>(missing), &options, &error));
+  const char* level[] = {"nsad", "--log-level", "loud"};
+  EXPECT_FALSE(ParseDaemonOptions(3, const_cast<char**>(level), &options, &error));
+}
+
+}  // namespace
+}  // namespace nsad::server

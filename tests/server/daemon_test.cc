@@ -1,0 +1,436 @@
+// End-to-end: the real nsad daemon, driven over gRPC (and /metrics over HTTP) with a tiny
+// NSA model training on CPU. Every RPC carries a deadline; every wait is bounded.
+#include <curl/curl.h>
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "daemon_fixture.h"
+#include "data/shard.h"
+
+namespace nsad::testing {
+namespace {
+
+using nsa::v1::RunState;
+
+// A tiny model so steps take milliseconds; max_steps is large so runs do not end on their own.
+nsa::v1::RunConfig TinyConfig(const fs::path& shards) {
+  nsa::v1::RunConfig c;
+  c.set_name("tiny");
+  auto* m = c.mutable_model();
+  m->set_vocab_size(256);
+  m->set_dim(32);
+  m->set_n_layers(1);
+  m->set_n_heads(2);
+  m->set_n_kv_groups(1);
+  m->set_head_dim(16);
+  auto* n = m->mutable_nsa();
+  n->set_cmp_block(8);
+  n->set_cmp_stride(4);
+  n->set_slc_block(16);
+  n->set_slc_top_n(4);
+  n->set_window(32);
+  c.mutable_data()->set_train_path(shards.string());
+  c.set_seq_len(64);
+  c.set_batch_size(2);
+  c.set_max_steps(1000000);
+  c.set_device("cpu");
+  c.set_eval_every(0);
+  c.mutable_optim()->set_lr(3e-3f);
+  c.mutable_optim()->set_warmup_steps(5);
+  return c;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = MakeTempDir("nsad-daemon-test");
+    // Structured text: a repeating phrase, so a model can learn it quickly.
+    const std::string phrase = "the quick brown fox jumps over the lazy dog. ";
+    std::vector<uint32_t> tokens;
+    for (int i = 0; i < 400; ++i) {
+      for (unsigned char ch : phrase) tokens.push_back(ch);
+    }
+    shards_ = dir_ / "shards";
+    fs::create_directories(shards_);
+    data::WriteShard((shards_ / "tiny_train_000000.bin").string(), tokens, data::TokenWidth::kUint16);
+    daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  }
+  void TearDown() override {
+    daemon_.reset();
+    fs::remove_all(dir_);
+  }
+
+  grpc::Status Start(const nsa::v1::RunConfig& config, nsa::v1::RunInfo* run) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::StartRunRequest request;
+    *request.mutable_config() = config;
+    nsa::v1::StartRunResponse response;
+    auto status = daemon_->stub().StartRun(&ctx, request, &response);
+    *run = response.run();
+    return status;
+  }
+  grpc::Status StartJson(const std::string& json) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::StartRunRequest request;
+    request.set_config_json(json);
+    nsa::v1::StartRunResponse response;
+    return daemon_->stub().StartRun(&ctx, request, &response);
+  }
+  nsa::v1::RunInfo Get(const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::RunRequest request;
+    request.set_run_id(id);
+    nsa::v1::RunResponse response;
+    auto status = daemon_->stub().GetRun(&ctx, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return response.run();
+  }
+  using Call = grpc::Status (nsa::v1::Trainer::Stub::*)(grpc::ClientContext*,
+                                                          const nsa::v1::RunRequest&,
+                                                          nsa::v1::RunResponse*);
+  grpc::Status Control(Call call, const std::string& id, nsa::v1::RunInfo* run = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::RunRequest request;
+    request.set_run_id(id);
+    nsa::v1::RunResponse response;
+    auto status = (daemon_->stub().*call)(&ctx, request, &response);
+    if (run) *run = response.run();
+    return status;
+  }
+  grpc::Status Halt(const std::string& id, const std::string& reason) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::HaltRunRequest request;
+    request.set_run_id(id);
+    request.set_reason(reason);
+    nsa::v1::RunResponse response;
+    return daemon_->stub().HaltRun(&ctx, request, &response);
+  }
+  bool WaitForState(const std::string& id, RunState state, int seconds = 120) {
+    return WaitFor([&] { return Get(id).state() == state; }, std::chrono::seconds(seconds));
+  }
+  bool WaitForStep(const std::string& id, int64_t step, int seconds = 120) {
+    return WaitFor([&] { return Get(id).progress().step() >= step; }, std::chrono::seconds(seconds));
+  }
+
+  fs::path dir_;
+  fs::path shards_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+TEST_F(DaemonTest, StartWatchPauseResumeHalt) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  const std::string id = run.run_id();
+  EXPECT_EQ(id.rfind("run-", 0), 0u) << "server-assigned ids look like run-000001: " << id;
+  EXPECT_EQ(run.state(), nsa::v1::PENDING);
+
+  // Watch: the first event is the current state; later ones carry increasing sequences
+  // and steps as the run trains.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(120));
+    nsa::v1::WatchRunRequest request;
+    request.set_run_id(id);
+    auto reader = daemon_->stub().WatchRun(&ctx, request);
+    nsa::v1::RunEvent event;
+    int64_t last_sequence = -1;
+    int64_t max_step = 0;
+    while (max_step < 3 && reader->Read(&event)) {
+      EXPECT_GT(event.sequence(), last_sequence);
+      last_sequence = event.sequence();
+      max_step = std::max(max_step, event.progress().step());
+    }
+    EXPECT_GE(max_step, 3) << "watch should report training progress";
+    ctx.TryCancel();
+    reader->Finish();
+  }
+  ASSERT_EQ(Get(id).state(), nsa::v1::RUNNING);
+
+  nsa::v1::RunInfo paused;
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::PauseRun, id, &paused).ok());
+  EXPECT_TRUE(paused.state() == nsa::v1::PAUSING || paused.state() == nsa::v1::PAUSED);
+  ASSERT_TRUE(WaitForState(id, nsa::v1::PAUSED, 60));
+  const int64_t step_at_pause = Get(id).progress().step();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_EQ(Get(id).progress().step(), step_at_pause) << "a paused run must not step";
+
+  // Pausing a paused run is a precondition failure, and it names the state.
+  auto again = Control(&nsa::v1::Trainer::Stub::PauseRun, id);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(again.error_message().find("PAUSED"), std::string::npos) << again.error_message();
+
+  nsa::v1::RunInfo resumed;
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, id, &resumed).ok());
+  EXPECT_EQ(resumed.state(), nsa::v1::RUNNING);
+  ASSERT_TRUE(WaitForStep(id, step_at_pause + 2)) << "a resumed run steps again";
+  EXPECT_EQ(Control(&nsa::v1::Trainer::Stub::ResumeRun, id).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  ASSERT_TRUE(Halt(id, "test says stop").ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
+  const auto halted = Get(id);
+  EXPECT_EQ(halted.message(), "test says stop");
+  const int64_t final_step = halted.progress().step();
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_EQ(Get(id).progress().step(), final_step);
+  EXPECT_EQ(Halt(id, "again").error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(Control(&nsa::v1::Trainer::Stub::PauseRun, id).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  // Gates and throughput of a run that trained.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::RunRequest request;
+    request.set_run_id(id);
+    nsa::v1::InspectGatesResponse gates;
+    ASSERT_TRUE(daemon_->stub().InspectGates(&ctx, request, &gates).ok());
+    ASSERT_EQ(gates.layers_size(), 1);
+    for (double g : {gates.layers(0).mean().cmp(), gates.layers(0).mean().slc(),
+                     gates.layers(0).mean().win()}) {
+      EXPECT_GT(g, 0.0);
+      EXPECT_LT(g, 1.0);
+    }
+    EXPECT_GT(gates.layers(0).mean_selected_blocks(), 0.0);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::RunRequest request;
+    request.set_run_id(id);
+    nsa::v1::GetThroughputResponse tput;
+    ASSERT_TRUE(daemon_->stub().GetThroughput(&ctx, request, &tput).ok());
+    EXPECT_GT(tput.tokens_per_second(), 0.0);
+    EXPECT_EQ(tput.tokens_seen(), final_step * 64 * 2);
+  }
+}
+
+TEST_F(DaemonTest, RunsToCompletionLearnsAndReportsEffectiveConfig) {
+  auto config = TinyConfig(shards_);
+  config.set_max_steps(60);
+  config.set_eval_every(30);
+  config.mutable_model()->clear_nsa();  // defaults must be filled in and reported
+  config.mutable_model()->mutable_nsa()->set_window(32);
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(config, &run).ok());
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(300));
+  nsa::v1::WatchRunRequest request;
+  request.set_run_id(run.run_id());
+  auto reader = daemon_->stub().WatchRun(&ctx, request);
+  nsa::v1::RunEvent event;
+  double first_loss = NAN;
+  RunState last_state = nsa::v1::RUN_STATE_UNSPECIFIED;
+  while (reader->Read(&event)) {
+    if (std::isnan(first_loss) && event.progress().step() > 0) first_loss = event.progress().loss();
+    last_state = event.state();
+  }
+  ASSERT_TRUE(reader->Finish().ok()) << "the stream ends by itself when the run completes";
+  EXPECT_EQ(last_state, nsa::v1::COMPLETED);
+
+  const auto done = Get(run.run_id());
+  EXPECT_EQ(done.state(), nsa::v1::COMPLETED);
+  EXPECT_EQ(done.progress().step(), 60);
+  EXPECT_LT(done.progress().loss(), first_loss * 0.7)
+      << "loss should fall on a repeated phrase: " << first_loss << " -> " << done.progress().loss();
+  EXPECT_TRUE(std::isfinite(done.progress().val_loss()));
+  EXPECT_EQ(done.progress().val_step(), 60);
+  // Effective config: every default filled in.
+  EXPECT_EQ(done.config().model().nsa().cmp_block(), 32);
+  EXPECT_EQ(done.config().model().nsa().slc_top_n(), 16);
+  EXPECT_EQ(done.config().model().nsa().window(), 32);
+  EXPECT_TRUE(done.config().optim().has_beta2());
+  EXPECT_EQ(done.device(), "cpu");
+  EXPECT_EQ(done.attention_backend(), nsa::v1::ATTENTION_BACKEND_REFERENCE)
+      << "on a CPU, auto resolves to the reference backend";
+  EXPECT_GT(done.parameter_count(), 0);
+}
+
+// Every bad config is INVALID_ARGUMENT naming the field, and the daemon keeps serving.
+TEST_F(DaemonTest, BadConfigsAreRejectedByField) {
+  struct Case {
+    std::string name;
+    std::function<void(nsa::v1::RunConfig&)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {"negative dim", [](auto& c) { c.mutable_model()->set_dim(-8); }, "model.dim"},
+      {"zero seq_len", [](auto& c) { c.set_seq_len(0); }, "seq_len"},
+      {"negative seq_len", [](auto& c) { c.set_seq_len(-5); }, "seq_len"},
+      {"negative batch", [](auto& c) { c.set_batch_size(-1); }, "batch_size"},
+      {"negative window", [](auto& c) { c.mutable_model()->mutable_nsa()->set_window(-1); },
+       "model.nsa.window"},
+      {"heads not divisible", [](auto& c) { c.mutable_model()->set_n_kv_groups(3); },
+       "model.n_kv_groups"},
+      {"missing data path", [](auto& c) { c.mutable_data()->clear_train_path(); }, "data.train_path"},
+      {"data path does not exist",
+       [](auto& c) { c.mutable_data()->set_train_path("/nonexistent/shards"); }, "data.train_path"},
+      {"bad dtype", [](auto& c) { c.set_dtype("float8"); }, "dtype"},
+      {"bad device", [](auto& c) { c.set_device("tpu"); }, "device"},
+      {"cuda backend on cpu",
+       [](auto& c) { c.set_attention_backend(nsa::v1::ATTENTION_BACKEND_CUDA); }, "attention_backend"},
+  };
+  for (const auto& tc : cases) {
+    auto config = TinyConfig(shards_);
+    tc.mutate(config);
+    nsa::v1::RunInfo run;
+    const auto status = Start(config, &run);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << tc.name;
+    EXPECT_NE(status.error_message().find(tc.field), std::string::npos)
+        << tc.name << ": message should name " << tc.field << ": " << status.error_message();
+  }
+
+  // Unknown fields in JSON are named, not dropped.
+  auto status = StartJson(R"({"seq_len": 64, "model": {"dimm": 64}})");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("model.dimm"), std::string::npos) << status.error_message();
+  status = StartJson(R"({"seq_len": "long"})");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("seq_len"), std::string::npos) << status.error_message();
+  status = StartJson("{not json");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  status = StartJson("");
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Empty request, unknown run, empty run id.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::StartRunResponse response;
+    EXPECT_EQ(daemon_->stub().StartRun(&ctx, nsa::v1::StartRunRequest(), &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  EXPECT_EQ(Control(&nsa::v1::Trainer::Stub::GetRun, "run-999999").error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Control(&nsa::v1::Trainer::Stub::PauseRun, "").error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Nothing was created, and the daemon still serves.
+  ASSERT_TRUE(daemon_->Alive());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  nsa::v1::ListRunsResponse list;
+  ASSERT_TRUE(daemon_->stub().ListRuns(&ctx, nsa::v1::ListRunsRequest(), &list).ok());
+  EXPECT_EQ(list.runs_size(), 0);
+  nsa::v1::RunInfo run;
+  EXPECT_TRUE(Start(TinyConfig(shards_), &run).ok());
+}
+
+size_t AppendToString(char* data, size_t size, size_t count, void* out) {
+  static_cast<std::string*>(out)->append(data, size * count);
+  return size * count;
+}
+
+// GET, or POST when `post_body` is given; bounded by a 10 s timeout.
+std::string Http(const std::string& url, long* code, const std::string* post_body = nullptr) {
+  std::string body;
+  CURL* curl = curl_easy_init();
+  curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
+  curl_slist* headers = nullptr;
+  if (post_body) {
+    headers = curl_slist_append(headers, "Content-Type: application/json");
+    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, post_body->c_str());
+  }
+  curl_easy_setopt(curl, CURLOPT_TIMEOUT, 10L);
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, AppendToString);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &body);
+  const CURLcode rc = curl_easy_perform(curl);
+  *code = 0;
+  if (rc == CURLE_OK) curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, code);
+  curl_easy_cleanup(curl);
+  curl_slist_free_all(headers);
+  return body;
+}
+
+// Value of the first sample line starting with `series` ("name{labels}"), NaN if absent.
+double Sample(const std::string& body, const std::string& series) {
+  std::istringstream in(body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series, 0) == 0) return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return NAN;
+}
+
+TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
+  ASSERT_GT(daemon_->metrics_port(), 0);
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  const std::string id = run.run_id();
+  ASSERT_TRUE(WaitForStep(id, 3));
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::PauseRun, id).ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::PAUSED, 60));
+  const auto info = Get(id);
+
+  long code = 0;
+  const std::string body =
+      Http("http://127.0.0.1:" + std::to_string(daemon_->metrics_port()) + "/metrics", &code);
+  ASSERT_EQ(code, 200);
+  const std::string run_label = "run_id=\"" + id + "\"";
+  EXPECT_EQ(Sample(body, "nsad_run_step{" + run_label + "}"), info.progress().step());
+  const double loss = Sample(body, "nsad_run_loss{" + run_label + "}");
+  EXPECT_TRUE(std::isfinite(loss) && loss > 0 && loss < 10) << loss;
+  const double tps = Sample(body, "nsad_run_tokens_per_second{attention_backend=\"reference\"," + run_label + "}");
+  EXPECT_GT(tps, 0) << body;
+  EXPECT_EQ(Sample(body, "nsad_run_tokens_total{" + run_label + "}"), info.progress().tokens_seen());
+  EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"PAUSED\"}"), 1);
+  EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"RUNNING\"}"), 0);
+  EXPECT_EQ(Sample(body, "nsad_runs{state=\"PAUSED\"}"), 1);
+  const double gate = Sample(body, "nsad_run_gate_mean{branch=\"slc\",layer=\"0\"," + run_label + "}");
+  EXPECT_GT(gate, 0);
+  EXPECT_LT(gate, 1);
+}
+
+// The path an Alertmanager alert takes: webhook -> daemon -> HaltRun, reason recorded.
+TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
+  daemon_.reset();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state", std::vector<std::string>{"--alert-webhook", "127.0.0.1:0"});
+  ASSERT_GT(daemon_->webhook_port(), 0);
+  nsa::v1::RunInfo victim, bystander;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &victim).ok());
+  ASSERT_TRUE(Start(TinyConfig(shards_), &bystander).ok());
+  ASSERT_TRUE(WaitForStep(victim.run_id(), 1));
+
+  const std::string payload = R"({"version": "4", "status": "firing", "receiver": "nsad-halt",
+    "alerts": [{"status": "firing",
+                "labels": {"alertname": "LossSpike", "nsad_action": "halt", "run_id": ")" +
+                              victim.run_id() + R"("},
+                "annotations": {"summary": "loss tripled"}}]})";
+  long code = 0;
+  const std::string reply = Http("http://127.0.0.1:" + std::to_string(daemon_->webhook_port()) +
+                                     "/alertmanager", &code, &payload);
+  EXPECT_EQ(code, 200) << reply;
+  ASSERT_TRUE(WaitForState(victim.run_id(), nsa::v1::HALTED, 60));
+  const auto halted = Get(victim.run_id());
+  EXPECT_NE(halted.message().find("LossSpike"), std::string::npos) << halted.message();
+  const auto other = Get(bystander.run_id()).state();
+  EXPECT_TRUE(other == nsa::v1::RUNNING || other == nsa::v1::PENDING) << "only the named run halts";
+}
+
+TEST_F(DaemonTest, RunRecordsSurviveARestart) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 2));
+  EXPECT_EQ(daemon_->Stop(), 0) << "SIGTERM shuts the daemon down cleanly";
+
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  const auto after = Get(run.run_id());
+  EXPECT_EQ(after.state(), nsa::v1::HALTED) << "a run stopped by shutdown is recorded as halted";
+  EXPECT_GE(after.progress().step(), 2);
+  EXPECT_EQ(after.config().seq_len(), 64);
+  nsa::v1::RunInfo next;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &next).ok());
+  EXPECT_NE(next.run_id(), run.run_id()) << "ids are never reused";
+}
+
+}  // namespace
+}  // namespace nsad::testing
