@@ -2,7 +2,8 @@
 // branch, sliding window) against dense causal FlashAttention (PyTorch SDPA, flash backend
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
-//   nsa_bench [--seqs 2048,8192,32768,65536] [--reps 5] [--warmup 2]
+//   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
+//             [--reps 5] [--warmup 2]
 //
 // bf16, batch 1, default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
@@ -74,10 +75,24 @@ std::vector<int64_t> ParseList(const char* s) {
 
 int main(int argc, char** argv) {
   std::vector<int64_t> seqs = {2048, 8192, 32768, 65536};
+  std::vector<int64_t> dims = {64, 128};
+  struct Heads { int64_t H, G; };
+  std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
   int reps = 5, warmup = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
+    else if (a == "--dims") dims = ParseList(argv[i + 1]);
+    else if (a == "--heads") {
+      head_cfgs.clear();
+      std::stringstream ss(argv[i + 1]);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        const auto colon = item.find(':');
+        if (colon == std::string::npos) { std::fprintf(stderr, "--heads takes H:G pairs\n"); return 2; }
+        head_cfgs.push_back({std::stoll(item.substr(0, colon)), std::stoll(item.substr(colon + 1))});
+      }
+    }
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
@@ -96,9 +111,6 @@ int main(int argc, char** argv) {
 
   const Geometry geo;
   const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-  struct Heads { int64_t H, G; };
-  const std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
-  const std::vector<int64_t> dims = {64, 128};
 
   std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
               "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",

@@ -1,4 +1,6 @@
-// Generic attention building blocks shared by the selected and the compressed branch.
+// Generic attention building blocks shared by the selected and the compressed branch: the
+// scalar float32 path, used for fp32 inputs. bf16/fp16 inputs run the tensor-core kernels of
+// mma_tile.cuh (same work split, same Shape / KeyWork / KeyPolicy types).
 //
 // Both branches are "a set of (position, head) query rows attends chunks of at most
 // kKeyChunk key rows, with a per-branch mask". A Policy describes, per CTA, which rows it

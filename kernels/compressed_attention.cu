@@ -9,12 +9,199 @@
 // (CmpImportanceKernel) recomputes the scores chunk by chunk, turns them into probabilities
 // and maps them straight onto selection blocks (weighted by the token overlap), summed over
 // the group's heads. The [B,T,H,N] probabilities are never stored.
+//
+// bf16/fp16 inputs run the forward, the importance pass and dQ on tensor cores
+// (mma_tile.cuh): a CTA owns mma::kTileRows flattened (position, head) rows of one group,
+// 16 per warp, and walks the visible prefix of compressed blocks. fp32 inputs keep the scalar
+// kernels of attention_tile.cuh.
+#include <type_traits>
+
 #include "launch_util.cuh"
+#include "mma_tile.cuh"
 
 namespace nsad::nsa::cuda::detail {
 namespace {
 
 constexpr int kQueriesPerKeyCta = 512;  // query positions per key-side backward CTA
+
+// Compressed blocks visible from position t: j*d + l - 1 <= t.
+__device__ __forceinline__ int CmpVisible(int t, int num_blocks, int cmp_block, int cmp_stride) {
+  return t < cmp_block - 1 ? 0 : min(num_blocks, (t - (cmp_block - 1)) / cmp_stride + 1);
+}
+
+// The rows of a tensor-core CTA: positions [t0, t0 + positions) of group g, all heads,
+// flattened as r = (t - t0) * hq + head. CTAs are issued longest-first (the last positions
+// see the most blocks) so the causal imbalance does not leave a tail.
+struct CmpMmaTile {
+  int b, g, t0, positions, rows;
+  __device__ CmpMmaTile(const Shape& s, int positions_per_cta) {
+    t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;
+    g = static_cast<int>(blockIdx.y);
+    b = static_cast<int>(blockIdx.z);
+    positions = min(positions_per_cta, s.T - t0);
+    rows = positions * s.hq();
+  }
+};
+
+// Per lane: its two MMA rows (16*warp + g and + 8) of the tile.
+struct CmpLaneRows {
+  bool valid[2];
+  int t[2], visible[2];
+  int64_t index[2];  // (b, t, head) row index into [B,T,H]
+  __device__ CmpLaneRows(const Shape& s, const CmpMmaTile& tile, int warp, int lane, int cmp_block,
+                         int cmp_stride) {
+    const int hq = s.hq();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 16 * warp + (lane >> 2) + 8 * half;
+      valid[half] = r < tile.rows;
+      t[half] = valid[half] ? tile.t0 + r / hq : 0;
+      visible[half] = valid[half] ? CmpVisible(t[half], s.Tk, cmp_block, cmp_stride) : 0;
+      index[half] = (static_cast<int64_t>(tile.b) * s.T + t[half]) * s.H + tile.g * hq + (valid[half] ? r % hq : 0);
+    }
+  }
+};
+
+// Forward (kDq false) or dQ (kDq true) of one tile on tensor cores.
+template <typename scalar_t, int D, bool kDq>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    CmpQueryMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                      const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                      const float* __restrict__ delta, scalar_t* __restrict__ out,
+                      float* __restrict__ lse, Shape s, int positions_per_cta, int cmp_block,
+                      int cmp_stride, float scale_log2, float dq_scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kN = kDq ? mma::KeysPerStep<D>() / 2 : mma::KeysPerStep<D>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const CmpMmaTile tile(s, positions_per_cta);
+  if (16 * warp >= tile.rows) return;  // whole warps
+  const CmpLaneRows rows(s, tile, warp, lane, cmp_block, cmp_stride);
+  // The warp walks the blocks its last row sees; rows that see fewer mask the rest.
+  const int last_row = min(16 * warp + 15, tile.rows - 1);
+  const int visible = CmpVisible(tile.t0 + last_row / s.hq(), s.Tk, cmp_block, cmp_stride);
+  mma::RowFrag<D> qa, qb;
+  mma::LoadRow<D>(qa, rows.valid[0] ? q + rows.index[0] * s.D : nullptr, lane);
+  mma::LoadRow<D>(qb, rows.valid[1] ? q + rows.index[1] * s.D : nullptr, lane);
+  const int64_t stride = static_cast<int64_t>(s.G) * s.D;
+
+  if constexpr (!kDq) {
+    mma::FwdState<D> st;
+    st.Init();
+    for (int key0 = 0; key0 < visible; key0 += kN) {
+      const auto allowed = [&](int half, int key) { return key0 + key < rows.visible[half]; };
+      mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, tile.b, key0, tile.g),
+                                 v + KeyOffset(s, tile.b, key0, tile.g), stride,
+                                 min(kN, visible - key0), scale_log2, allowed, lane);
+    }
+    scalar_t* const out_row[2] = {rows.valid[0] ? out + rows.index[0] * s.D : nullptr,
+                                  rows.valid[1] ? out + rows.index[1] * s.D : nullptr};
+    float* const lse_row[2] = {lse + rows.index[0], lse + rows.index[1]};
+    mma::FwdFinish<kBf16, D>(st, out_row, lse_row, lane);
+  } else {
+    mma::RowFrag<D> da, db;
+    mma::LoadRow<D>(da, rows.valid[0] ? dout + rows.index[0] * s.D : nullptr, lane);
+    mma::LoadRow<D>(db, rows.valid[1] ? dout + rows.index[1] * s.D : nullptr, lane);
+    const float row_lse[2] = {rows.valid[0] ? lse[rows.index[0]] : INFINITY,
+                              rows.valid[1] ? lse[rows.index[1]] : INFINITY};
+    const float row_delta[2] = {rows.valid[0] ? delta[rows.index[0]] : 0.f,
+                                rows.valid[1] ? delta[rows.index[1]] : 0.f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int key0 = 0; key0 < visible; key0 += kN) {
+      const auto allowed = [&](int half, int key) { return key0 + key < rows.visible[half]; };
+      mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, tile.b, key0, tile.g),
+                                v + KeyOffset(s, tile.b, key0, tile.g), stride,
+                                min(kN, visible - key0), scale_log2, row_lse, row_delta, allowed,
+                                lane);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (rows.valid[half]) mma::StoreRow<kBf16, D>(out + rows.index[half] * s.D, acc, half, dq_scale, lane);
+  }
+}
+
+// Adds the overlap-weighted probabilities of compressed blocks [start, start + count) (in
+// p_s: tile row r, block start + j at p_s[r * p_stride + j]) to the importance of the tile's
+// positions. A selection block straddles at most two chunks, so a value gets at most two
+// addends and the result does not depend on their order.
+__device__ __forceinline__ void AddImportance(const float* p_s, int p_stride, int start, int count,
+                                              const Shape& s, int b, int g, int t0, int positions,
+                                              int NS, int slc_block, int cmp_block, int cmp_stride,
+                                              float* __restrict__ importance) {
+  const int hq = s.hq();
+  const int last = start + count - 1;
+  const int sb_lo = start * cmp_stride / slc_block;
+  const int sb_hi = min(NS - 1, (last * cmp_stride + cmp_block - 1) / slc_block);
+  const int span = sb_hi - sb_lo + 1;
+  for (int i = threadIdx.x; i < positions * span; i += blockDim.x) {
+    const int tq = i / span, sb = sb_lo + i % span;
+    const int sb_start = sb * slc_block, sb_end = sb_start + slc_block;
+    // Blocks j with j*d < sb_end and j*d + l > sb_start.
+    const int lo_num = sb_start - cmp_block + 1;
+    const int j_lo = max(start, lo_num <= 0 ? 0 : (lo_num + cmp_stride - 1) / cmp_stride);
+    const int j_hi = min(last, (sb_end - 1) / cmp_stride);
+    float sum = 0.f;
+    for (int j = j_lo; j <= j_hi; ++j) {
+      const int js = j * cmp_stride;
+      const float overlap = static_cast<float>(min(js + cmp_block, sb_end) - max(js, sb_start));
+      float p = 0.f;
+      for (int h = 0; h < hq; ++h) p += p_s[(tq * hq + h) * p_stride + (j - start)];
+      sum = fmaf(p, overlap, sum);
+    }
+    if (sum != 0.f)
+      atomicAdd(importance + ((static_cast<int64_t>(b) * s.T + t0 + tq) * s.G + g) * NS + sb, sum);
+  }
+}
+
+// Importance on tensor cores: recomputes S chunk by chunk, P = exp2(S - lse) into shared
+// memory, then AddImportance.
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    CmpImportanceMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                           const float* __restrict__ lse, float* __restrict__ importance, Shape s,
+                           int positions_per_cta, int NS, int slc_block, int cmp_block,
+                           int cmp_stride, float scale_log2) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kN = mma::KeysPerStep<D>();
+  constexpr int kStride = kN + 1;  // odd: the quad's column writes spread over banks
+  __shared__ float p_s[mma::kTileRows * kStride];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const CmpMmaTile tile(s, positions_per_cta);
+  const bool active = 16 * warp < tile.rows;  // idle warps still take part in the barriers
+  const CmpLaneRows rows(s, tile, warp, lane, cmp_block, cmp_stride);
+  mma::RowFrag<D> qa, qb;
+  mma::LoadRow<D>(qa, rows.valid[0] ? q + rows.index[0] * s.D : nullptr, lane);
+  mma::LoadRow<D>(qb, rows.valid[1] ? q + rows.index[1] * s.D : nullptr, lane);
+  const float row_lse[2] = {rows.valid[0] ? lse[rows.index[0]] : INFINITY,
+                            rows.valid[1] ? lse[rows.index[1]] : INFINITY};
+  const int64_t stride = static_cast<int64_t>(s.G) * s.D;
+  const int visible = CmpVisible(tile.t0 + tile.positions - 1, s.Tk, cmp_block, cmp_stride);
+  for (int key0 = 0; key0 < visible; key0 += kN) {
+    const int count = min(kN, visible - key0);
+    if (active) {
+      const scalar_t* k_rows = k + KeyOffset(s, tile.b, key0, tile.g);
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+        mma::RowFrag<D> kr;
+        const int key = 8 * j + g;
+        mma::LoadRow<D>(kr, key < count ? k_rows + key * stride : nullptr, lane);
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        mma::QKTile<kBf16, D>(sc, qa, qb, kr);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e >> 1, col = 8 * j + 2 * c + (e & 1);
+          const float p = key0 + col < rows.visible[half] ? exp2f(sc[e] * scale_log2 - row_lse[half]) : 0.f;
+          p_s[(16 * warp + g + 8 * half) * kStride + col] = p;
+        }
+      }
+    }
+    __syncthreads();
+    AddImportance(p_s, kStride, key0, count, s, tile.b, tile.g, tile.t0, tile.positions, NS,
+                  slc_block, cmp_block, cmp_stride, importance);
+    __syncthreads();
+  }
+}
 
 struct CmpQueryPolicy {
   int positions_per_cta, cmp_block, cmp_stride;
@@ -107,29 +294,8 @@ __global__ void __launch_bounds__(kThreads)
       p_s[i] = p;
     }
     __syncthreads();
-    const int last = ch.start + ch.count - 1;
-    const int sb_lo = ch.start * pol.cmp_stride / slc_block;
-    const int sb_hi = min(NS - 1, (last * pol.cmp_stride + pol.cmp_block - 1) / slc_block);
-    const int span = sb_hi - sb_lo + 1;
-    for (int i = threadIdx.x; i < tile.positions * span; i += kThreads) {
-      const int tq = i / span, sb = sb_lo + i % span;
-      const int sb_start = sb * slc_block, sb_end = sb_start + slc_block;
-      // Blocks j with j*d < sb_end and j*d + l > sb_start.
-      const int lo_num = sb_start - pol.cmp_block + 1;
-      const int j_lo = max(ch.start, lo_num <= 0 ? 0 : (lo_num + pol.cmp_stride - 1) / pol.cmp_stride);
-      const int j_hi = min(last, (sb_end - 1) / pol.cmp_stride);
-      float sum = 0.f;
-      for (int j = j_lo; j <= j_hi; ++j) {
-        const int js = j * pol.cmp_stride;
-        const float overlap = static_cast<float>(min(js + pol.cmp_block, sb_end) - max(js, sb_start));
-        float p = 0.f;
-        for (int h = 0; h < hq; ++h) p += p_s[(tq * hq + h) * kKeyChunk + (j - ch.start)];
-        sum = fmaf(p, overlap, sum);
-      }
-      if (sum != 0.f)
-        atomicAdd(importance + ((static_cast<int64_t>(tile.b) * s.T + tile.t0 + tq) * s.G + tile.g) * NS + sb,
-                  sum);
-    }
+    AddImportance(p_s, kKeyChunk, ch.start, ch.count, s, tile.b, tile.g, tile.t0, tile.positions, NS,
+                  slc_block, pol.cmp_block, pol.cmp_stride, importance);
   }
 }
 
@@ -143,6 +309,9 @@ void CheckCompressed(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(k.size(1) == N, "k_cmp has ", k.size(1), " blocks, expected ", N, " for ", T,
               " tokens");
 }
+
+// Whole positions per tensor-core CTA (all heads of a position in one CTA, for importance).
+int MmaPositionsPerCta(const Shape& s) { return std::max(1, mma::kTileRows / s.hq()); }
 
 CmpQueryPolicy QueryPolicy(const Shape& s, const Geo& g) {
   return {std::max(1, kMaxRows / s.hq()), g.cmp_block, g.cmp_stride};
@@ -167,13 +336,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_cmp_fwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
-      Launch(AttnFwdKernel<scalar_t, D, CmpQueryPolicy>, grid, FwdSmemFloats(rows, D) * sizeof(float),
-             q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
-             out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, pol, scale_log2, rows);
-      const size_t imp_smem = (rows * D + kKeyChunk * (D + 1) + rows * kKeyChunk + rows) * sizeof(float);
-      Launch(CmpImportanceKernel<scalar_t, D>, grid, imp_smem, q.data_ptr<scalar_t>(),
-             k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(), s, pol,
-             NS, g.slc_block, scale_log2, rows);
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        const int per_cta = MmaPositionsPerCta(s);
+        const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+        if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
+        const auto stream = at::cuda::getCurrentCUDAStream();
+        CmpQueryMmaKernel<scalar_t, D, false><<<mgrid, mma::kMmaThreads, 0, stream>>>(
+            q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
+            nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, per_cta, g.cmp_block,
+            g.cmp_stride, scale_log2, 0.f);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        CmpImportanceMmaKernel<scalar_t, D><<<mgrid, mma::kMmaThreads, 0, stream>>>(
+            q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+            importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride,
+            scale_log2);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else {
+        Launch(AttnFwdKernel<scalar_t, D, CmpQueryPolicy>, grid, FwdSmemFloats(rows, D) * sizeof(float),
+               q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+               out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, pol, scale_log2, rows);
+        const size_t imp_smem = (rows * D + kKeyChunk * (D + 1) + rows * kKeyChunk + rows) * sizeof(float);
+        Launch(CmpImportanceKernel<scalar_t, D>, grid, imp_smem, q.data_ptr<scalar_t>(),
+               k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(), s, pol,
+               NS, g.slc_block, scale_log2, rows);
+      }
     });
   });
   return {out, lse, importance};
@@ -199,14 +385,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_cmp_bwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
-      Launch(AttnDqKernel<scalar_t, D, CmpQueryPolicy>, qgrid, DqSmemFloats(rows, D) * sizeof(float),
-             q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
-             dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
-             dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
-      Launch(AttnDkDvKernel<scalar_t, D, CmpKeyPolicy>, kgrid, DkDvSmemFloats(D) * sizeof(float),
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        const int per_cta = MmaPositionsPerCta(s);
+        const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+        if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
+          CmpQueryMmaKernel<scalar_t, D, true>
+              <<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+                  dout.data_ptr<scalar_t>(), delta.data_ptr<float>(), dq.data_ptr<scalar_t>(),
+                  lse.data_ptr<float>(), s, per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
+                  scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      } else {
+        Launch(AttnDqKernel<scalar_t, D, CmpQueryPolicy>, qgrid, DqSmemFloats(rows, D) * sizeof(float),
+               q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+               dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+               dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
+      }
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0) {
+          mma::DkDvMmaKernel<scalar_t, D, CmpKeyPolicy>
+              <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+                  dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                  dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      } else {
+        Launch(AttnDkDvKernel<scalar_t, D, CmpKeyPolicy>, kgrid, DkDvSmemFloats(D) * sizeof(float),
              q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
              dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
              dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+      }
     });
   });
   return {dq, dk_acc.to(k_cmp.scalar_type()), dv_acc.to(v_cmp.scalar_type())};

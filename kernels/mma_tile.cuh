@@ -29,6 +29,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
 
 #include "attention_tile.cuh"
 
@@ -288,6 +291,120 @@ __device__ __forceinline__ void DqStep(float (&dq)[D / 8][4], const RowFrag<D>& 
     }
   }
   PRTile<kBf16, D, kN>(dq, s, kr);
+}
+
+// Adds a lane's accumulator rows (StoreRow's layout, times mul) into a float32 row with
+// 16-byte vector atomics (sm_90).
+template <int D>
+__device__ __forceinline__ void AtomicAddRow(float* row, const float (&acc)[D / 8][4], int half, float mul,
+                                             int lane) {
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {
+#pragma unroll
+    for (int m = 0; m < 4; m += 2) {
+      const float4 v = make_float4(acc[4 * i + m][2 * half] * mul, acc[4 * i + m][2 * half + 1] * mul,
+                                   acc[4 * i + m + 1][2 * half] * mul,
+                                   acc[4 * i + m + 1][2 * half + 1] * mul);
+      atomicAdd(reinterpret_cast<float4*>(row + 32 * i + 8 * (lane & 3) + 2 * m), v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Key-side backward on tensor cores, the same work split as AttnDkDvKernel (KeyPolicy gives
+// a CTA's key chunk of <= 64 rows and its query positions): each warp owns 16 keys as the
+// MMA rows and walks the CTA's (position, head) query rows kR at a time:
+//   S^T = K Q^T, dP^T = V dO^T (Q / dO rows are the B operand: plain row loads),
+//   P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta),
+//   dV += P^T dO, dK += dS^T Q (dO / Q transposed in registers, like V in the forward).
+// The chunk's sums are added into float32 buffers once per CTA.
+template <typename scalar_t, int D, typename KeyPolicy>
+__global__ void __launch_bounds__(kMmaThreads)
+    DkDvMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                  const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                  const float* __restrict__ lse, const float* __restrict__ delta,
+                  float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s, KeyPolicy pol,
+                  float scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kR = D == 64 ? 32 : 16;  // query rows per step (register budget)
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int key_lo = 16 * warp;
+  if (key_lo >= w.keys.count) return;  // whole warps
+  const int hq = s.hq();
+  const float scale_log2 = scale * kLog2e;
+  int key[2];
+  bool key_ok[2];
+  RowFrag<D> ka, kb, va, vb;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    key[half] = w.keys.start + key_lo + g + 8 * half;
+    key_ok[half] = key_lo + g + 8 * half < w.keys.count;
+  }
+  LoadRow<D>(ka, key_ok[0] ? k + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  LoadRow<D>(kb, key_ok[1] ? k + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  LoadRow<D>(va, key_ok[0] ? v + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  LoadRow<D>(vb, key_ok[1] ? v + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  }
+  const int total = w.num_queries * hq;  // flattened (position, head) rows
+  for (int r0 = 0; r0 < total; r0 += kR) {
+    RowFrag<D> qr[kR / 8], dr[kR / 8];
+    float st[kR / 8][4], dpt[kR / 8][4];
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j) {
+      const int rho = r0 + 8 * j + g;
+      const scalar_t* q_row = nullptr;
+      const scalar_t* do_row = nullptr;
+      if (rho < total) {
+        const int64_t off = QueryOffset(s, w.b, pol.Query(w, rho / hq), w.g * hq + rho % hq);
+        q_row = q + off;
+        do_row = dout + off;
+      }
+      LoadRow<D>(qr[j], q_row, lane);
+      LoadRow<D>(dr[j], do_row, lane);
+      st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+      dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+      QKTile<kBf16, D>(st[j], ka, kb, qr[j]);
+      QKTile<kBf16, D>(dpt[j], va, vb, dr[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int rho = r0 + 8 * j + 2 * c + e;  // this C column's query row
+        int t = 0;
+        float row_lse = INFINITY, row_delta = 0.f;
+        if (rho < total) {
+          t = pol.Query(w, rho / hq);
+          const int64_t row = (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq;
+          row_lse = lse[row];
+          row_delta = delta[row];
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const bool ok = rho < total && key_ok[half] && pol.Allowed(s, t, key[half]);
+          const float p = ok ? exp2f(st[j][2 * half + e] * scale_log2 - row_lse) : 0.f;
+          st[j][2 * half + e] = p;
+          dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - row_delta);  // dS^T
+        }
+      }
+    }
+    PRTile<kBf16, D, kR>(dv, st, dr);
+    PRTile<kBf16, D, kR>(dk, dpt, qr);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!key_ok[half]) continue;
+    const int64_t off = KeyOffset(s, w.b, key[half], w.g);
+    AtomicAddRow<D>(dk_acc + off, dk, half, scale, lane);
+    AtomicAddRow<D>(dv_acc + off, dv, half, 1.f, lane);
+  }
 }
 
 }  // namespace nsad::nsa::cuda::detail::mma

@@ -254,11 +254,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
                delta.data_ptr<float>(), dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
       }
       if (S > 0) {
-        Launch(AttnDkDvKernel<scalar_t, D, SelectedKeyPolicy>, dim3(static_cast<unsigned>(max_items)),
-               DkDvSmemFloats(D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-               v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-               delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol,
-               scale);
+        const dim3 kgrid(static_cast<unsigned>(max_items));
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>
+              <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                  dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                  dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        } else {
+          Launch(AttnDkDvKernel<scalar_t, D, SelectedKeyPolicy>, kgrid, DkDvSmemFloats(D) * sizeof(float),
+                 q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                 dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                 dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+        }
       }
     });
   });

@@ -50,7 +50,7 @@ if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
   # past a tensor's end are caught instead of landing in a cached neighbour.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 900 compute-sanitizer --tool memcheck --leak-check no \
     --error-exitcode 9 "$build/tests/kernels/kernels_test" \
-    --gtest_filter='*T100_H16_G1_D128_bf16_smallgeo:*T257_H12_G2_D128_bf16:*T257_H12_G2_D64_fp32_smallgeo' \
+    --gtest_filter='*T100_H16_G1_D128_bf16_smallgeo:*T257_H12_G2_D128_bf16:*T257_H12_G2_D64_fp16_smallgeo:*T257_H12_G2_D64_fp32_smallgeo' \
     > "$logs/memcheck.log" 2>&1
   rc=$?
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$logs/memcheck.log" | tail -5

@@ -13,6 +13,8 @@ namespace {
 #define NSAD_TAKE(proto, engine, field) \
   if ((proto).has_##field()) (engine).field = (proto).field()
 
+}  // namespace
+
 AttentionBackend FromProto(nsa::v1::AttentionBackend backend) {
   switch (backend) {
     case nsa::v1::ATTENTION_BACKEND_REFERENCE: return AttentionBackend::kReference;
@@ -20,8 +22,6 @@ AttentionBackend FromProto(nsa::v1::AttentionBackend backend) {
     default: return AttentionBackend::kAuto;
   }
 }
-
-}  // namespace
 
 nsa::v1::AttentionBackend ToProto(AttentionBackend backend) {
   switch (backend) {
@@ -75,6 +75,20 @@ TrainConfig FromProto(const nsa::v1::RunConfig& p) {
   NSAD_TAKE(p, c, eval_every);
   NSAD_TAKE(p, c, eval_batches);
   c.attention_backend = FromProto(p.attention_backend());
+  NSAD_TAKE(p, c, checkpoint_every);
+  NSAD_TAKE(p, c, checkpoint_keep);
+  NSAD_TAKE(p, c, checkpoint_milestone_every);
+  NSAD_TAKE(p, c, checkpoint_dir);
+  NSAD_TAKE(p, c, resume_from);
+  NSAD_TAKE(p, c, nonfinite_policy);
+  NSAD_TAKE(p, c, nonfinite_max_skips);
+  const auto& pf = p.fault_injection();
+  NSAD_TAKE(pf, c.fault_injection, nan_at_step);
+  NSAD_TAKE(pf, c.fault_injection, count);
+  NSAD_TAKE(pf, c.fault_injection, layer);
+  NSAD_TAKE(pf, c.fault_injection, sublayer);
+  NSAD_TAKE(pf, c.fault_injection, backward);
+  // allow_fault_injection is deliberately not in the proto: only the daemon's flag sets it.
   return c;
 }
 #undef NSAD_TAKE
@@ -122,6 +136,19 @@ nsa::v1::RunConfig ToProto(const TrainConfig& c) {
   p.set_log_every(c.log_every);
   p.set_eval_every(c.eval_every);
   p.set_eval_batches(c.eval_batches);
+  p.set_checkpoint_every(c.checkpoint_every);
+  p.set_checkpoint_keep(c.checkpoint_keep);
+  p.set_checkpoint_milestone_every(c.checkpoint_milestone_every);
+  p.set_checkpoint_dir(c.checkpoint_dir);
+  p.set_resume_from(c.resume_from);
+  p.set_nonfinite_policy(c.nonfinite_policy);
+  p.set_nonfinite_max_skips(c.nonfinite_max_skips);
+  auto* f = p.mutable_fault_injection();
+  f->set_nan_at_step(c.fault_injection.nan_at_step);
+  f->set_count(c.fault_injection.count);
+  f->set_layer(c.fault_injection.layer);
+  f->set_sublayer(c.fault_injection.sublayer);
+  f->set_backward(c.fault_injection.backward);
   return p;
 }
 

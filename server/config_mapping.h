@@ -17,6 +17,7 @@ TrainConfig FromProto(const nsa::v1::RunConfig& proto);
 nsa::v1::RunConfig ToProto(const TrainConfig& config);
 
 nsa::v1::AttentionBackend ToProto(AttentionBackend backend);
+AttentionBackend FromProto(nsa::v1::AttentionBackend backend);  // UNSPECIFIED = kAuto
 
 // Parses protobuf JSON strictly. Returns "" on success, otherwise a message that names
 // the offending field, e.g. "model.dimm: unknown field".

@@ -12,6 +12,7 @@ std::string DaemonUsage() {
          "                             Alertmanager webhook that halts runs (default off)\n"
          "  --state-dir DIR            run records (default ./nsad-state)\n"
          "  --log-level LEVEL          trace|debug|info|warn|error (default info)\n"
+         "  --worker PATH              nsad-worker binary (default: next to nsad)\n"
          "The bound addresses are written to DIR/endpoints.json.\n";
 }
 
@@ -22,6 +23,7 @@ bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::stri
       {"--alert-webhook", &options->alert_webhook_address},
       {"--state-dir", &options->state_dir},
       {"--log-level", &options->log_level},
+      {"--worker", &options->worker_binary},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];

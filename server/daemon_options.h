@@ -14,6 +14,7 @@ struct DaemonOptions {
   std::string alert_webhook_address = "off";       // Alertmanager webhook; e.g. 127.0.0.1:9465
   std::string state_dir = "nsad-state";            // run records and checkpoints
   std::string log_level = "info";
+  std::string worker_binary;  // nsad-worker; default: next to the nsad executable
 };
 
 // Accepts --name=value and --name value. On failure returns false with *error set
@@ -21,9 +22,16 @@ struct DaemonOptions {
 bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::string* error);
 std::string DaemonUsage();
 
-// Deep data checks (shard headers, vocabulary) run at StartRun so that bad data is an
-// INVALID_ARGUMENT for the caller, not a failed run later.
-ConfigChecker DefaultConfigChecker();
+// Checks run at StartRun so that bad data or an impossible device/backend is an
+// INVALID_ARGUMENT for the caller, not a failed run later: the device and backend against
+// what the machine offers (probed once by a worker), then the shards (headers, vocabulary).
+ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps);
+
+// Trainers in nsad-worker processes, one per run, logging to <run_dir>/worker.log.
+TrainerFactory WorkerTrainerFactory(const std::string& worker_binary);
+
+// The nsad-worker binary next to this executable (/proc/self/exe).
+std::string DefaultWorkerBinary();
 
 // Starts the Alertmanager webhook on `address` unless it is "off"; the returned object
 // stops it when destroyed; *bound_port is its port (0 when off or failed). Never throws: a

@@ -1,9 +1,12 @@
 // nsad: the training daemon. Serves nsa.v1.Trainer over gRPC, /metrics for Prometheus and
 // (optionally) an Alertmanager webhook that halts runs.
 #include <grpcpp/grpcpp.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,10 +16,19 @@
 
 #include "daemon_options.h"
 #include "metrics.h"
+#include "remote_trainer.h"
 #include "run_manager.h"
 #include "trainer_service.h"
 
 namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+void OnShutdownSignal(int signal_number) {
+  // write(2) is async-signal-safe; the main thread does the rest.
+  const ssize_t ignored = ::write(g_signal_pipe[1], &signal_number, sizeof(signal_number));
+  (void)ignored;
+}
 
 // The daemon records where it actually listens (ports may be chosen by the OS with :0) so
 // tests and scripts never guess.
@@ -49,13 +61,18 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(options.log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
 
-  // SIGINT/SIGTERM are taken synchronously by the main thread (sigwait), so every thread
-  // created below inherits the blocked mask and shutdown runs in one well-defined place.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGINT/SIGTERM only wake the main thread through a pipe; shutdown then runs there, in
+  // one well-defined place. A process-wide handler (rather than a blocked mask and
+  // sigwait) holds whichever thread the kernel picks: gRPC starts threads of its own.
+  if (::pipe2(g_signal_pipe, O_CLOEXEC) != 0) {
+    spdlog::critical("cannot create the signal pipe");
+    return 1;
+  }
+  struct sigaction action {};
+  action.sa_handler = OnShutdownSignal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
 
   try {
     std::filesystem::create_directories(options.state_dir);
@@ -77,8 +94,21 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Torch never loads in this process: a worker reports what the machine offers.
+  const std::string worker = options.worker_binary.empty() ? nsad::server::DefaultWorkerBinary()
+                                                           : options.worker_binary;
+  nsad::RuntimeCapabilities caps;
+  try {
+    caps = nsad::server::ProbeWorker(worker, options.state_dir + "/probe.log");
+  } catch (const std::exception& e) {
+    spdlog::critical("cannot run {}: {}", worker, e.what());
+    return 1;
+  }
+  spdlog::info("workers: {} CUDA device(s), NSA CUDA kernels {}", caps.cuda_devices,
+               caps.cuda_kernels ? "available" : "unavailable");
   auto runs = std::make_unique<nsad::server::RunManager>(
-      options.state_dir, &metrics, &nsad::Trainer::Create, nsad::server::DefaultConfigChecker());
+      options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
+      nsad::server::DefaultConfigChecker(caps));
   nsad::server::TrainerService service(runs.get());
 
   int port = 0;
@@ -100,12 +130,15 @@ int main(int argc, char** argv) {
                options.state_dir);
 
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  while (::read(g_signal_pipe[0], &signal_number, sizeof(signal_number)) < 0 && errno == EINTR) {
+  }
   spdlog::info("signal {}: halting runs and shutting down", signal_number);
   webhook.reset();
-  runs->Shutdown();  // HALTING every run, so watchers see the end and threads finish
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  runs.reset();      // joins the run threads
+  runs->Shutdown();     // HALTING every run; each stops after its current step
+  runs->WaitForRuns();  // HALTED and persisted; watchers got their final event
+  // Then drain gRPC briefly: open client connections hold a graceful shutdown until this.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  runs.reset();
   spdlog::info("nsad stopped");
   return 0;
 }

@@ -87,6 +87,10 @@ RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory f
 
 RunManager::~RunManager() {
   Shutdown();
+  WaitForRuns();
+}
+
+void RunManager::WaitForRuns() {
   std::map<std::string, std::shared_ptr<Run>> runs;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -210,7 +214,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
   const std::string id = run->info.run_id();
   std::unique_ptr<Trainer> trainer;
   try {
-    trainer = factory_(run->config);
+    trainer = factory_((fs::path(state_dir_) / "runs" / id).string(), run->config);
   } catch (const ConfigError& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
     Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());

@@ -21,7 +21,9 @@
 
 namespace nsad::server {
 
-using TrainerFactory = std::function<std::unique_ptr<Trainer>(const TrainConfig&)>;
+// Builds a run's trainer; run_dir is the run's folder in the state dir (for its logs).
+using TrainerFactory =
+    std::function<std::unique_ptr<Trainer>(const std::string& run_dir, const TrainConfig&)>;
 // Checks a config beyond ValidateConfig (e.g. the shards' contents) before a run is
 // created; returns field errors. Empty by default.
 using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>;
@@ -48,6 +50,9 @@ class RunManager {
 
   // Stops accepting work and halts every live run (SIGTERM path); idempotent.
   void Shutdown();
+  // Blocks until every run thread has ended (after Shutdown: each run is HALTED, and its
+  // watchers have been sent that final event).
+  void WaitForRuns();
 
  private:
   struct Run;

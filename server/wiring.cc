@@ -1,6 +1,10 @@
+#include "daemon_options.h"
+
 #include <spdlog/spdlog.h>
 
-#include "daemon_options.h"
+#include <filesystem>
+
+#include "remote_trainer.h"
 #include "data/data_error.h"
 #include "data/dataset.h"
 #ifdef NSAD_HAVE_ALERT_WEBHOOK
@@ -9,9 +13,9 @@
 
 namespace nsad::server {
 
-ConfigChecker DefaultConfigChecker() {
-  return [](const TrainConfig& config) -> std::vector<FieldError> {
-    auto errors = CheckRuntime(config);
+ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps) {
+  return [caps](const TrainConfig& config) -> std::vector<FieldError> {
+    auto errors = PlanRuntime(config, caps).errors;
     if (!errors.empty()) return errors;
     try {
       data::ValidateDataset(config.data, config.seq_len, config.model.vocab_size);
@@ -20,6 +24,18 @@ ConfigChecker DefaultConfigChecker() {
     }
     return errors;
   };
+}
+
+TrainerFactory WorkerTrainerFactory(const std::string& worker_binary) {
+  return [worker_binary](const std::string& run_dir, const TrainConfig& config) {
+    return CreateRemoteTrainer(worker_binary, run_dir + "/worker.log", config);
+  };
+}
+
+std::string DefaultWorkerBinary() {
+  std::error_code error;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", error);
+  return (error ? std::filesystem::path(".") : self.parent_path()) / "nsad-worker";
 }
 
 std::shared_ptr<void> StartAlertWebhook(const std::string& address, RunManager* runs,

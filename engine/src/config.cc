@@ -130,6 +130,54 @@ void CheckOptim(const OptimConfig& o, Checker& c) {
   c.NonNegative("optim.grad_clip", o.grad_clip);
 }
 
+bool IsDirectory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void CheckCheckpoints(const TrainConfig& config, Checker& c) {
+  c.NonNegative("checkpoint_every", config.checkpoint_every);
+  c.Positive("checkpoint_keep", config.checkpoint_keep);
+  c.NonNegative("checkpoint_milestone_every", config.checkpoint_milestone_every);
+  const std::string& resume = config.resume_from;
+  if (resume == "latest") {
+    if (config.checkpoint_dir.empty()) {
+      c.Add("resume_from", "\"latest\" needs checkpoint_dir to say where to look");
+    }
+  } else if (!resume.empty() && !IsDirectory(resume)) {
+    c.Add("resume_from", "must be \"latest\" or a checkpoint directory; no such directory: " +
+                             resume);
+  }
+}
+
+void CheckNonFinite(const TrainConfig& config, Checker& c) {
+  if (config.nonfinite_policy != "halt" && config.nonfinite_policy != "skip") {
+    c.Add("nonfinite_policy", "must be halt or skip (got \"" + config.nonfinite_policy + "\")");
+  }
+  c.NonNegative("nonfinite_max_skips", config.nonfinite_max_skips);
+
+  const FaultInjectionConfig& f = config.fault_injection;
+  if (f.nan_at_step == 0) return;  // off
+  if (!config.allow_fault_injection) {
+    c.Add("fault_injection", "is a testing aid and refused unless fault injection is "
+                             "explicitly enabled (nsad --allow-fault-injection)");
+    return;
+  }
+  c.Positive("fault_injection.nan_at_step", f.nan_at_step);
+  c.Positive("fault_injection.count", f.count);
+  if (f.layer < -1 || f.layer >= config.model.n_layers) {
+    c.Add("fault_injection.layer", "must be -1 (the loss) or a layer in [0, " +
+                                       std::to_string(config.model.n_layers) + ") (got " +
+                                       std::to_string(f.layer) + ")");
+  }
+  if (f.sublayer != "attention" && f.sublayer != "mlp") {
+    c.Add("fault_injection.sublayer", "must be attention or mlp (got \"" + f.sublayer + "\")");
+  }
+  if (f.layer == -1 && f.backward) {
+    c.Add("fault_injection.backward", "needs a layer: the loss has no incoming gradient");
+  }
+}
+
 }  // namespace
 
 std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
@@ -161,7 +209,49 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
     c.Add("data.val_path", "no such file, directory or glob match: " + d.val_path);
   }
   if (d.val_path.empty()) c.InRange("data.val_fraction", d.val_fraction, 0.0f, 1.0f, false);
+  CheckCheckpoints(config, c);
+  CheckNonFinite(config, c);
   return c.Take();
+}
+
+RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& caps) {
+  RuntimePlan plan;
+  const std::string& d = config.device;
+  if (d == "auto") {
+    plan.device = caps.cuda_devices > 0 ? "cuda:0" : "cpu";
+  } else if (d == "cpu") {
+    plan.device = "cpu";
+  } else if (ValidDevice(d)) {
+    const int index = d == "cuda" ? 0 : std::stoi(d.substr(5));
+    plan.device = "cuda:" + std::to_string(index);
+    if (index >= caps.cuda_devices) {
+      plan.errors.push_back({"device", "\"" + d + "\" requested but " +
+                                           std::to_string(caps.cuda_devices) +
+                                           " CUDA device(s) are visible"});
+      return plan;
+    }
+  }
+  const bool on_gpu = plan.device != "cpu";
+  switch (config.attention_backend) {
+    case AttentionBackend::kAuto:
+      plan.backend = on_gpu && caps.cuda_kernels ? AttentionBackend::kCuda : AttentionBackend::kReference;
+      break;
+    case AttentionBackend::kReference:
+      plan.backend = AttentionBackend::kReference;
+      break;
+    case AttentionBackend::kCuda:
+      plan.backend = AttentionBackend::kCuda;
+      if (!on_gpu) {
+        plan.errors.push_back({"attention_backend",
+                               "ATTENTION_BACKEND_CUDA needs a CUDA device, but the run's device is " +
+                                   plan.device});
+      } else if (!caps.cuda_kernels) {
+        plan.errors.push_back({"attention_backend",
+                               "the NSA CUDA kernels are not available in this build or for this GPU"});
+      }
+      break;
+  }
+  return plan;
 }
 
 std::string FormatFieldErrors(const std::vector<FieldError>& errors) {

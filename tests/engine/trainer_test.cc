@@ -1,57 +1,13 @@
 // nsad::Trainer through its public, torch-free API: config errors, backend resolution,
 // learning, determinism, schedule and throughput accounting. CPU, tiny models.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <filesystem>
 
-#include "../common/temp_dir.h"
-#include "data/shard.h"
-#include "nsad/engine.h"
+#include "tiny_run.h"
 
 namespace nsad {
 namespace {
-
-namespace fs = std::filesystem;
-
-class TrainerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = tmp_.path();
-    // A repeated phrase: learnable in a few dozen steps.
-    const std::string phrase = "native sparse attention trains fast. ";
-    std::vector<uint32_t> tokens;
-    for (int i = 0; i < 300; ++i) {
-      for (unsigned char c : phrase) tokens.push_back(c);
-    }
-    data::WriteShard((dir_ / "train.bin").string(), tokens, data::TokenWidth::kUint16);
-    tokens.resize(4000);
-    data::WriteShard((dir_ / "val.bin").string(), tokens, data::TokenWidth::kUint16);
-  }
-
-  TrainConfig Tiny() const {
-    TrainConfig c;
-    c.model.dim = 32;
-    c.model.n_layers = 1;
-    c.model.n_heads = 2;
-    c.model.n_kv_groups = 1;
-    c.model.head_dim = 16;
-    c.model.nsa = {8, 4, 16, 4, 32};
-    c.data.train_path = (dir_ / "train.bin").string();
-    c.data.val_path = (dir_ / "val.bin").string();
-    c.seq_len = 64;
-    c.batch_size = 4;
-    c.max_steps = 40;
-    c.optim.warmup_steps = 5;
-    c.device = "cpu";
-    c.eval_batches = 2;
-    return c;
-  }
-
-  testing::TempDir tmp_{"nsad-trainer-test"};
-  fs::path dir_;
-};
 
 TEST_F(TrainerTest, InvalidConfigThrowsConfigErrorNamingTheField) {
   auto config = Tiny();
@@ -85,9 +41,9 @@ TEST_F(TrainerTest, BackendResolvesToReferenceOnCpuAndCudaIsRefused) {
   EXPECT_EQ(trainer->attention_backend(), AttentionBackend::kReference);
   EXPECT_EQ(trainer->device(), "cpu");
   config.attention_backend = AttentionBackend::kCuda;
-  const auto errors = CheckRuntime(config);
-  ASSERT_EQ(errors.size(), 1u);
-  EXPECT_EQ(errors[0].field, "attention_backend");
+  const auto plan = PlanRuntime(config, ProbeRuntime());
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "attention_backend");
   EXPECT_THROW(Trainer::Create(config), ConfigError);
 }
 

@@ -1,9 +1,10 @@
 // The CUDA NSA ops (kernels/nsa_cuda.h) against the plain-LibTorch reference (nsa/ops.h),
 // forward and every gradient, on random shapes: lengths that are multiples of no block size,
-// batch 2, GQA groups of 1..16 heads, head dims 64 and 128, bf16 and fp32.
+// batch 2, GQA groups of 1..16 heads, head dims 64 and 128, bf16, fp16 and fp32 (bf16 and
+// fp16 run the tensor-core kernels, fp32 the scalar ones).
 //
 // The reference runs on the same inputs upcast to float32. Metric: ||x - ref|| / ||ref||
-// (float64), under 2e-2 for bf16 inputs and 1e-4 for fp32 inputs; NaN never passes.
+// (float64), under 2e-2 for bf16/fp16 inputs and 1e-4 for fp32 inputs; NaN never passes.
 // Every check draws fresh random inputs, and the CUDA caching allocator is filled with NaN
 // before each op runs, so an output element the kernels forget to write shows up as NaN.
 //
@@ -34,7 +35,8 @@ struct Case {
 std::string Name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_G" + std::to_string(c.G) +
-         "_D" + std::to_string(c.D) + (c.dtype == torch::kFloat ? "_fp32" : "_bf16") +
+         "_D" + std::to_string(c.D) +
+         (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16") +
          (c.small_geometry ? "_smallgeo" : "");
 }
 
@@ -259,6 +261,9 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{1000, 8, 4, 64, torch::kBFloat16, true},
                     Case{2061, 64, 4, 128, torch::kBFloat16, false},
                     Case{2061, 12, 2, 64, torch::kBFloat16, true},
+                    // fp16 takes the tensor-core kernels' f16 MMA variant.
+                    Case{257, 12, 2, 64, torch::kHalf, true},
+                    Case{1000, 16, 1, 128, torch::kHalf, false},
                     Case{257, 12, 2, 64, torch::kFloat, true},
                     Case{1000, 16, 1, 128, torch::kFloat, false}),
     Name);

@@ -49,6 +49,50 @@ TEST(ConfigMapping, EffectiveConfigRoundTripsAndSetsEveryField) {
   EXPECT_EQ(ToProto(back).SerializeAsString(), proto.SerializeAsString());
 }
 
+TEST(ConfigMapping, CheckpointAndAnomalyFieldsMapBothWays) {
+  nsa::v1::RunConfig proto;
+  ASSERT_EQ(ParseRunConfigJson(R"({"checkpoint_every": 50, "checkpoint_keep": 5,
+      "checkpoint_milestone_every": 1000, "checkpoint_dir": "/state/runs/r1/checkpoints",
+      "resume_from": "latest", "nonfinite_policy": "skip", "nonfinite_max_skips": 7,
+      "fault_injection": {"nan_at_step": 12, "count": 2, "layer": 1, "sublayer": "mlp",
+                          "backward": true}})",
+                               &proto),
+            "");
+  const TrainConfig config = FromProto(proto);
+  EXPECT_EQ(config.checkpoint_every, 50);
+  EXPECT_EQ(config.checkpoint_keep, 5);
+  EXPECT_EQ(config.checkpoint_milestone_every, 1000);
+  EXPECT_EQ(config.checkpoint_dir, "/state/runs/r1/checkpoints");
+  EXPECT_EQ(config.resume_from, "latest");
+  EXPECT_EQ(config.nonfinite_policy, "skip");
+  EXPECT_EQ(config.nonfinite_max_skips, 7);
+  EXPECT_EQ(config.fault_injection.nan_at_step, 12);
+  EXPECT_EQ(config.fault_injection.count, 2);
+  EXPECT_EQ(config.fault_injection.layer, 1);
+  EXPECT_EQ(config.fault_injection.sublayer, "mlp");
+  EXPECT_TRUE(config.fault_injection.backward);
+  EXPECT_FALSE(config.allow_fault_injection) << "only the daemon's flag may allow injection";
+  EXPECT_EQ(ToProto(config).SerializeAsString(), ToProto(FromProto(ToProto(config))).SerializeAsString());
+  EXPECT_EQ(ToProto(config).fault_injection().layer(), 1);
+
+  // Unset: the engine defaults (checkpoints every 100 steps once a directory is set, halt).
+  const TrainConfig defaults = FromProto(nsa::v1::RunConfig());
+  EXPECT_EQ(defaults.checkpoint_every, TrainConfig().checkpoint_every);
+  EXPECT_EQ(defaults.nonfinite_policy, "halt");
+  EXPECT_EQ(defaults.fault_injection.nan_at_step, 0);
+  EXPECT_EQ(defaults.fault_injection.layer, -1);
+
+  // A config asking for fault injection is refused by name unless the flag allowed it.
+  TrainConfig asked = config;
+  asked.data.train_path = "/";
+  asked.resume_from = "";
+  std::vector<std::string> fields;
+  for (const auto& e : ValidateConfig(asked)) fields.push_back(e.field);
+  EXPECT_EQ(fields, std::vector<std::string>{"fault_injection"}) << FormatFieldErrors(ValidateConfig(asked));
+  asked.allow_fault_injection = true;
+  EXPECT_TRUE(ValidateConfig(asked).empty()) << FormatFieldErrors(ValidateConfig(asked));
+}
+
 TEST(ConfigMapping, StrictJsonNamesUnknownAndMistypedFields) {
   nsa::v1::RunConfig proto;
   EXPECT_EQ(ParseRunConfigJson(R"({"model": {"nsa": {"windw": 3}}})", &proto),
@@ -93,6 +137,42 @@ TEST(Validation, ReportsEveryBadFieldWithTheValue) {
   TrainConfig ok;
   ok.data.train_path = "/";
   EXPECT_TRUE(ValidateConfig(ok).empty()) << FormatFieldErrors(ValidateConfig(ok));
+}
+
+TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {
+  TrainConfig config;
+  const RuntimeCapabilities cpu_only{0, false};
+  const RuntimeCapabilities gpu{1, true};
+  const RuntimeCapabilities gpu_without_kernels{2, false};
+
+  auto plan = PlanRuntime(config, cpu_only);
+  EXPECT_EQ(plan.device, "cpu");
+  EXPECT_EQ(plan.backend, AttentionBackend::kReference);
+  plan = PlanRuntime(config, gpu);
+  EXPECT_EQ(plan.device, "cuda:0");
+  EXPECT_EQ(plan.backend, AttentionBackend::kCuda);
+  plan = PlanRuntime(config, gpu_without_kernels);
+  EXPECT_EQ(plan.backend, AttentionBackend::kReference);
+  EXPECT_TRUE(plan.errors.empty());
+
+  config.attention_backend = AttentionBackend::kCuda;
+  plan = PlanRuntime(config, gpu_without_kernels);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "attention_backend");
+  config.device = "cpu";
+  plan = PlanRuntime(config, gpu);
+  ASSERT_EQ(plan.errors.size(), 1u) << "cuda kernels on a cpu device";
+  EXPECT_EQ(plan.errors[0].field, "attention_backend");
+
+  config.attention_backend = AttentionBackend::kReference;
+  config.device = "cuda:1";
+  plan = PlanRuntime(config, gpu);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "device");
+  plan = PlanRuntime(config, gpu_without_kernels);
+  EXPECT_TRUE(plan.errors.empty());
+  EXPECT_EQ(plan.device, "cuda:1");
+  EXPECT_EQ(plan.backend, AttentionBackend::kReference) << "reference runs anywhere";
 }
 
 TEST(DaemonOptions, ParsesBothFlagFormsAndRejectsUnknownOnes) {

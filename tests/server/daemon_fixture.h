@@ -91,6 +91,10 @@ class Daemon {
   // SIGTERM and wait (bounded); returns the exit status, or -1 if it had to be killed.
   int Stop() {
     if (pid_ <= 0) return exit_status_;
+    // Drop our connection first, as a finished client would: gRPC's graceful shutdown
+    // waits for open connections until its drain deadline.
+    stub_.reset();
+    channel_.reset();
     ::kill(pid_, SIGTERM);
     int status = 0;
     const bool exited = WaitFor([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; },
@@ -107,6 +111,18 @@ class Daemon {
   }
 
   bool Alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0; }
+  pid_t pid() const { return pid_; }
+
+  // The daemon's child processes (its nsad-workers), from /proc/<pid>/task/*/children.
+  std::vector<pid_t> Children() const {
+    std::vector<pid_t> children;
+    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/task")) {
+      std::istringstream in(ReadFile(task.path() / "children"));
+      pid_t child;
+      while (in >> child) children.push_back(child);
+    }
+    return children;
+  }
   nsa::v1::Trainer::Stub& stub() { return *stub_; }
   const std::string& address() const { return address_; }
   int metrics_port() const { return metrics_port_; }

@@ -416,6 +416,26 @@ TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
   EXPECT_TRUE(other == nsa::v1::RUNNING || other == nsa::v1::PENDING) << "only the named run halts";
 }
 
+// A worker that dies (an illegal memory access, the OOM killer, ...) fails its run with
+// the reason; the daemon and the other runs carry on.
+TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 1));
+  const auto workers = daemon_->Children();
+  ASSERT_EQ(workers.size(), 1u);
+  ASSERT_EQ(::kill(workers[0], SIGKILL), 0);
+
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::FAILED, 60));
+  const auto failed = Get(run.run_id());
+  EXPECT_NE(failed.message().find("killed by signal 9"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find("worker.log"), std::string::npos) << failed.message();
+  ASSERT_TRUE(daemon_->Alive());
+  nsa::v1::RunInfo next;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &next).ok());
+  EXPECT_TRUE(WaitForStep(next.run_id(), 1)) << "the daemon still trains";
+}
+
 TEST_F(DaemonTest, RunRecordsSurviveARestart) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());

@@ -51,6 +51,16 @@ struct OptimConfig {
   float grad_clip = 1.0f;
 };
 
+// Test-only fault: poisons training with NaN so the anomaly path can be exercised end to
+// end. Refused by ValidateConfig unless TrainConfig::allow_fault_injection is set.
+struct FaultInjectionConfig {
+  int64_t nan_at_step = 0;  // optimizer step (1-based, as reported) poisoned first; 0 = off
+  int count = 1;            // consecutive steps poisoned from nan_at_step on
+  int layer = -1;           // -1 = the loss itself; 0..n_layers-1 = that block's output
+  std::string sublayer = "attention";  // "attention" | "mlp": which output of the block
+  bool backward = false;    // poison the gradient flowing into that output, not the output
+};
+
 enum class AttentionBackend { kAuto, kReference, kCuda };
 const char* ToString(AttentionBackend backend);
 
@@ -70,6 +80,29 @@ struct TrainConfig {
   int log_every = 1;
   int eval_every = 50;
   int eval_batches = 4;
+
+  // Checkpoints: <checkpoint_dir>/step_NNNNNNNNN/, written atomically after an applied
+  // update every checkpoint_every steps, at every milestone and at max_steps. The newest
+  // checkpoint_keep are kept, plus milestones (steps divisible by checkpoint_milestone_every)
+  // forever. An empty checkpoint_dir turns checkpoints off (the daemon sets it per run).
+  int64_t checkpoint_every = 100;  // 0 = only milestones
+  int checkpoint_keep = 3;
+  int64_t checkpoint_milestone_every = 0;  // 0 = no milestones
+  std::string checkpoint_dir;
+  // Continue a run exactly: a checkpoint directory (step_NNNNNNNNN), or "latest" = the
+  // newest one in checkpoint_dir. Empty = start fresh.
+  std::string resume_from;
+
+  // A step whose loss or gradient norm is not finite never updates the weights. "halt":
+  // the run stops (TrainingHalt naming the step and the first non-finite tensor); "skip":
+  // the step is skipped, up to nonfinite_max_skips times in the run, then the run halts.
+  std::string nonfinite_policy = "halt";
+  int nonfinite_max_skips = 3;
+
+  FaultInjectionConfig fault_injection;
+  // Not part of the wire config: set only by code (tests; the daemon's
+  // --allow-fault-injection flag), so a user's config can never inject faults by itself.
+  bool allow_fault_injection = false;
 };
 
 struct FieldError {
@@ -80,6 +113,22 @@ struct FieldError {
 // Checks every field and cross-field constraint without touching torch or the GPU.
 // Checks that the data path names at least one existing file, too. Empty = valid.
 std::vector<FieldError> ValidateConfig(const TrainConfig& config);
+
+// What the machine offers a run; probed with torch (nsad::ProbeRuntime, in the worker) and
+// used torch-free by the daemon to validate configs at StartRun.
+struct RuntimeCapabilities {
+  int cuda_devices = 0;
+  bool cuda_kernels = false;  // custom NSA kernels compiled in and runnable on this GPU
+};
+
+// Where a config runs: "auto" resolved to a device ("cpu" or "cuda:N") and a backend
+// (never kAuto). No environment variable takes part: what runs is what the config says.
+struct RuntimePlan {
+  std::string device = "cpu";
+  AttentionBackend backend = AttentionBackend::kReference;
+  std::vector<FieldError> errors;  // the device or backend cannot be had here
+};
+RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& caps);
 
 // "model.dim: must be positive (got -1); seq_len: ..." for error messages.
 std::string FormatFieldErrors(const std::vector<FieldError>& errors);

@@ -23,7 +23,8 @@ class ConfigError : public std::runtime_error {
 };
 
 // Training cannot continue (non-finite loss, bad data found mid-run, ...). The weights
-// were not updated by the failing step.
+// were not updated by the failing step and no checkpoint was written for it. For a
+// non-finite step, what() names the step and the first non-finite tensor.
 class TrainingHalt : public std::runtime_error {
  public:
   TrainingHalt(int64_t step, const std::string& reason);
@@ -41,6 +42,11 @@ struct StepMetrics {
   double step_seconds = 0.0;
   double tokens_per_second = 0.0;
   int64_t tokens_seen = 0;
+  // Set when the step's loss or gradient norm was not finite and nonfinite_policy "skip"
+  // skipped its update: what was non-finite and where (loss is then not finite either).
+  std::string skipped_reason;
+  int64_t skipped_steps = 0;  // updates skipped so far in the run (survives resume)
+  std::string checkpoint;     // checkpoint directory written after this step, or ""
 };
 
 struct BranchGateStats {
@@ -61,18 +67,19 @@ struct GateReport {
   std::vector<LayerGateStats> layers;
 };
 
-// Checks what only torch and the hardware can tell: the device exists, the attention
-// backend can run there, bf16 is supported. Cheap (builds no model); the daemon calls it
-// at StartRun so that such errors are INVALID_ARGUMENT, not a failed run.
-std::vector<FieldError> CheckRuntime(const TrainConfig& config);
+// Asks torch what this machine offers (CUDA devices, whether the NSA kernels can run).
+RuntimeCapabilities ProbeRuntime();
 
 class Trainer {
  public:
-  // Validates the config (throws ConfigError), opens the data, builds model and optimizer.
+  // Validates the config (throws ConfigError), opens the data, builds model and optimizer,
+  // and with resume_from set continues from that checkpoint (step() = its step). A missing,
+  // corrupt or mismatched checkpoint is a ConfigError on field resume_from.
   static std::unique_ptr<Trainer> Create(const TrainConfig& config);
   virtual ~Trainer() = default;
 
-  // One optimizer step (grad_accum micro-batches). Throws TrainingHalt.
+  // One optimizer step (grad_accum micro-batches), then a checkpoint when one is due.
+  // Throws TrainingHalt.
   virtual StepMetrics Step() = 0;
   // Mean loss over eval_batches validation batches, without touching the weights.
   virtual double Evaluate() = 0;

@@ -38,10 +38,14 @@ class NsaBlockImpl : public torch::nn::Module {
     mlp_down = register_module("mlp_down", NormalLinear(hidden, dim, residual_std));
   }
 
-  torch::Tensor forward(torch::Tensor x) {
-    x = x + attn->forward(attn_norm->forward(x));
+  torch::Tensor forward(torch::Tensor x, int layer, const NsaTransformerImpl::Tap& tap) {
+    auto attn_out = attn->forward(attn_norm->forward(x));
+    if (tap) attn_out = tap(layer, "attention", attn_out);
+    x = x + attn_out;
     const auto h = mlp_norm->forward(x);
-    return x + mlp_down->forward(torch::silu(mlp_gate->forward(h)) * mlp_up->forward(h));
+    auto mlp_out = mlp_down->forward(torch::silu(mlp_gate->forward(h)) * mlp_up->forward(h));
+    if (tap) mlp_out = tap(layer, "mlp", mlp_out);
+    return x + mlp_out;
   }
 
   RmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
@@ -73,7 +77,8 @@ NsaTransformerImpl::NsaTransformerImpl(const ModelConfig& config, AttentionBacke
 torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [B,T], got ", tokens.sizes());
   auto x = embed_->forward(tokens);
-  for (const auto& block : *blocks_) x = block->as<NsaBlockImpl>()->forward(x);
+  int layer = 0;
+  for (const auto& block : *blocks_) x = block->as<NsaBlockImpl>()->forward(x, layer++, tap_);
   x = final_norm_->forward(x);
   return torch::nn::functional::linear(x, embed_->weight).to(torch::kFloat);
 }

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <vector>
 
 #include "nsad/config.h"
@@ -27,6 +28,14 @@ class NsaTransformerImpl : public torch::nn::Module {
 
   const ModelConfig& config() const { return config_; }
 
+  // Diagnostics hook, unset (and free) by default: while set, forward() passes each block's
+  // attention and MLP outputs (before the residual add) through
+  // tap(layer, "attention" | "mlp", output) and carries on with what it returns. The
+  // trainer uses it to find the first non-finite tensor of a failed step and to inject
+  // faults in tests (trainer/nonfinite.h).
+  using Tap = std::function<torch::Tensor(int layer, const char* sublayer, torch::Tensor output)>;
+  void set_tap(Tap tap) { tap_ = std::move(tap); }
+
  private:
   ModelConfig config_;
   AttentionBackend backend_;
@@ -34,6 +43,7 @@ class NsaTransformerImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks_{nullptr};  // NsaBlock (transformer.cc)
   RmsNorm final_norm_{nullptr};
   // No separate LM head matrix: logits = final_norm(x) @ embed_.weight^T (tied, GPT-2 style).
+  Tap tap_;
 };
 TORCH_MODULE(NsaTransformer);
 

@@ -1,4 +1,4 @@
-// Where a run executes: the device and attention backend that "auto" resolves to.
+// Where a run executes, as torch objects: the device and backend of PlanRuntime.
 #pragma once
 
 #include <torch/torch.h>
@@ -12,10 +12,8 @@ struct Runtime {
   AttentionBackend backend = AttentionBackend::kReference;  // never kAuto
 };
 
-// Throws ConfigError when the config asks for something this machine cannot do.
+// PlanRuntime on this machine's ProbeRuntime(); throws ConfigError when the config asks
+// for something the machine cannot do.
 Runtime ResolveRuntime(const TrainConfig& config);
-
-// True when the custom CUDA kernels were compiled in and can run on this machine.
-bool CudaKernelsAvailable();
 
 }  // namespace nsad

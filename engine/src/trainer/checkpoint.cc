@@ -1,0 +1,180 @@
+#include "trainer/checkpoint.h"
+
+#include <ATen/Context.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "nsad/engine.h"
+#include "trainer/checkpoint_store.h"
+#include "trainer/config_text.h"
+
+namespace nsad {
+namespace {
+
+constexpr char kModelFile[] = "model.pt";
+constexpr char kOptimizerFile[] = "optim.pt";
+constexpr char kStateFile[] = "state";
+constexpr char kConfigFile[] = "config";
+constexpr char kStateFormat[] = "nsad-checkpoint-state/1";
+
+std::string ToHex(const torch::Tensor& bytes) {
+  static const char kDigits[] = "0123456789abcdef";
+  const auto contiguous = bytes.contiguous().to(torch::kCPU);
+  const auto* data = contiguous.data_ptr<uint8_t>();
+  std::string hex;
+  hex.reserve(2 * contiguous.numel());
+  for (int64_t i = 0; i < contiguous.numel(); ++i) {
+    hex.push_back(kDigits[data[i] >> 4]);
+    hex.push_back(kDigits[data[i] & 15]);
+  }
+  return hex;
+}
+
+torch::Tensor FromHex(const std::string& hex) {
+  auto nibble = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    throw checkpoint::CheckpointError("bad hex digit in an RNG state");
+  };
+  if (hex.size() % 2 != 0) throw checkpoint::CheckpointError("odd-length RNG state");
+  auto bytes = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kUInt8);
+  auto* data = bytes.data_ptr<uint8_t>();
+  for (size_t i = 0; i < hex.size(); i += 2) data[i / 2] = nibble(hex[i]) << 4 | nibble(hex[i + 1]);
+  return bytes;
+}
+
+// The default generator torch uses for `device` (CPU, or the CUDA device's own).
+at::Generator DefaultGenerator(const torch::Device& device) {
+  return at::globalContext().defaultGenerator(device.is_cuda() ? device : torch::Device(torch::kCPU));
+}
+
+std::string GeneratorState(const torch::Device& device) {
+  at::Generator generator = DefaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return ToHex(generator.get_state());
+}
+
+void SetGeneratorState(const torch::Device& device, const std::string& hex) {
+  at::Generator generator = DefaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(FromHex(hex));
+}
+
+std::string StateToText(const ResumeState& state, const torch::Device& device) {
+  std::ostringstream out;
+  out << "format=" << kStateFormat << "\n"
+      << "step=" << state.step << "\n"
+      << "tokens_seen=" << state.tokens_seen << "\n"
+      << "skipped_steps=" << state.skipped_steps << "\n"
+      << "data_position=" << state.data_position << "\n"
+      << "rng.cpu=" << GeneratorState(torch::Device(torch::kCPU)) << "\n";
+  if (device.is_cuda()) out << "rng.cuda=" << GeneratorState(device) << "\n";
+  return out.str();
+}
+
+[[noreturn]] void ResumeError(const std::string& message) {
+  throw ConfigError({{"resume_from", message}});
+}
+
+const std::string& Require(const std::map<std::string, std::string>& values, const std::string& key,
+                           const std::string& file) {
+  const auto it = values.find(key);
+  if (it == values.end()) ResumeError(file + " lacks " + key);
+  return it->second;
+}
+
+int64_t ParseInt(const std::string& text, const std::string& what) {
+  try {
+    size_t used = 0;
+    const int64_t value = std::stoll(text, &used);
+    if (used == text.size()) return value;
+  } catch (const std::exception&) {
+  }
+  ResumeError(what + " is not an integer: \"" + text + "\"");
+}
+
+}  // namespace
+
+std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
+                           const torch::optim::Optimizer& optimizer, const ResumeState& state,
+                           const torch::Device& device) {
+  const std::string path = checkpoint::CommitCheckpoint(
+      config.checkpoint_dir, state.step, [&](const std::string& dir) {
+        try {
+          torch::serialize::OutputArchive model_archive;
+          model.save(model_archive);
+          model_archive.save_to(dir + "/" + kModelFile);
+          torch::serialize::OutputArchive optimizer_archive;
+          optimizer.save(optimizer_archive);
+          optimizer_archive.save_to(dir + "/" + kOptimizerFile);
+        } catch (const c10::Error& e) {
+          throw checkpoint::CheckpointError(e.what_without_backtrace());
+        }
+        checkpoint::WriteFileDurably(dir + "/" + kStateFile, StateToText(state, device));
+        checkpoint::WriteFileDurably(dir + "/" + kConfigFile, ConfigToText(config));
+      });
+  checkpoint::PruneCheckpoints(config.checkpoint_dir, config.checkpoint_keep,
+                               config.checkpoint_milestone_every);
+  return path;
+}
+
+std::string ResolveResumeDir(const TrainConfig& config) {
+  if (config.resume_from != "latest") return config.resume_from;
+  const auto stored = checkpoint::ListCheckpoints(config.checkpoint_dir);
+  if (stored.empty()) ResumeError("\"latest\": no checkpoint in " + config.checkpoint_dir);
+  return stored.back().path;
+}
+
+ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
+                           torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                           const torch::Device& device) {
+  try {
+    checkpoint::VerifyCheckpoint(dir, {kModelFile, kOptimizerFile, kStateFile, kConfigFile});
+  } catch (const checkpoint::CheckpointError& e) {
+    ResumeError(e.what());
+  }
+  const std::string config_path = dir + "/" + kConfigFile;
+  const auto differences = TrajectoryDifferences(checkpoint::ReadFile(config_path), config);
+  if (!differences.empty()) {
+    std::string message = "the checkpoint " + dir + " was written by a run with another config (";
+    for (size_t i = 0; i < differences.size(); ++i) message += (i ? "; " : "") + differences[i];
+    ResumeError(message + ")");
+  }
+
+  const std::string state_path = dir + "/" + kStateFile;
+  const auto values = ParseKeyValueLines(checkpoint::ReadFile(state_path));
+  if (Require(values, "format", state_path) != kStateFormat) {
+    ResumeError(state_path + ": unknown format \"" + values.at("format") + "\"");
+  }
+  ResumeState state;
+  state.step = ParseInt(Require(values, "step", state_path), state_path + " step");
+  state.tokens_seen = ParseInt(Require(values, "tokens_seen", state_path), state_path + " tokens_seen");
+  state.skipped_steps =
+      ParseInt(Require(values, "skipped_steps", state_path), state_path + " skipped_steps");
+  state.data_position = Require(values, "data_position", state_path);
+
+  std::string file;
+  try {
+    file = dir + "/" + kModelFile;
+    torch::serialize::InputArchive model_archive;
+    model_archive.load_from(file, device);
+    model.load(model_archive);
+    file = dir + "/" + kOptimizerFile;
+    torch::serialize::InputArchive optimizer_archive;
+    optimizer_archive.load_from(file, device);
+    optimizer.load(optimizer_archive);
+    file = state_path;
+    SetGeneratorState(torch::Device(torch::kCPU), Require(values, "rng.cpu", state_path));
+    // A CPU checkpoint resumed on a GPU (or the reverse) keeps the seeded CUDA generator.
+    const auto cuda = values.find("rng.cuda");
+    if (device.is_cuda() && cuda != values.end()) SetGeneratorState(device, cuda->second);
+  } catch (const c10::Error& e) {
+    ResumeError(file + " cannot be loaded: " + e.what_without_backtrace());
+  } catch (const checkpoint::CheckpointError& e) {
+    ResumeError(file + ": " + e.what());
+  }
+  return state;
+}
+
+}  // namespace nsad

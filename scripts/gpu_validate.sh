@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Validates the whole system on a GPU machine in one go (the device tool's single call):
+#   build (Release) -> GPU tests (backend selection, CUDA vs reference losses, trainer,
+#   kernels) -> compute-sanitizer memcheck on full training steps of a small NSA model with
+#   the CUDA backend -> the daemon training m7c 125M (seq 2048, bf16) through nsactl, with
+#   its /metrics scraped -> train_bench (m7c tok/s, NSA vs dense flash, batch 1 and 16).
+# Logs go to $1, else $OUT, else /tmp/nsa-gpu-validate. On the lent machine carry
+# .device-deps and .kernel-deps (see scripts/gpu_check.sh).
+#   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${1:-${OUT:-/tmp/nsa-gpu-validate}}
+build=${BUILD_DIR:-/tmp/build}
+mkdir -p "$logs"
+status=0
+step() { echo "== $* ($(date +%T))"; }
+record() { "$@" || { echo "FAILED: $*"; status=1; }; }
+
+if [ -f .device-deps/unpack.sh ]; then source .device-deps/unpack.sh; fi
+if ls .kernel-deps/*.deb >/dev/null 2>&1; then
+  mkdir -p /opt/nsad-gtest
+  for f in .kernel-deps/*.deb; do dpkg -x "$f" /opt/nsad-gtest; done
+  export CMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:-};/opt/nsad-gtest/usr"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
+
+step build
+targets="nsad nsad-worker nsactl nsa-shard backend_test trainer_test kernels_test train_bench"
+if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
+         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
+       timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
+  tail -30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
+fi
+
+step "GPU tests"
+for t in runtime/backend_test engine/trainer_test kernels/kernels_test; do
+  timeout 300 "$build/tests/$t" > "$logs/$(basename $t).log" 2>&1
+  rc=$?
+  echo "$t: exit $rc, $(grep -E '^\[  PASSED|^\[  FAILED|SKIPPED \] [0-9]' "$logs/$(basename $t).log" | tr '\n' ' ')"
+  grep -E "Failure|Expected|Which is|actual" "$logs/$(basename $t).log" | head -10
+  [ $rc -eq 0 ] || status=1
+done
+
+if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
+  step "memcheck: full training steps, CUDA backend"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --leak-check no \
+    --error-exitcode 9 "$build/tests/runtime/backend_test" --gtest_filter='*CudaBackendRunsOnlyTheKernels*' \
+    > "$logs/memcheck.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$logs/memcheck.log" | tail -3
+  [ $rc -eq 0 ] || { echo "memcheck exit code $rc"; status=1; }
+fi
+
+step "daemon: m7c 125M on the GPU through nsactl"
+state=/tmp/nsad-gpu-state; rm -rf "$state"; mkdir -p "$state/data"
+python3 - "$state/data/random_train_000000.bin" <<'PY'
+import struct, sys, random
+n = 4_000_000; random.seed(0)
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<256i", 20240520, 1, n, *([0] * 253)))
+    f.write(struct.pack("<%dH" % n, *(random.randrange(50257) for _ in range(n))))
+PY
+sed -e "s#data/fineweb10B/fineweb_train_\*.bin#$state/data/random_train_*.bin#" \
+    -e 's#"val_path": "data/fineweb10B/fineweb_val_\*.bin"#"val_fraction": 0.01#' \
+    -e "s#\"max_steps\": 50000#\"max_steps\": ${M7C_STEPS:-30}#" -e 's#"eval_every": 500#"eval_every": 0#' \
+    configs/m7c_125m.json > "$state/m7c.json"
+"$build/server/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
+daemon=$!
+for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
+cat "$state/endpoints.json"
+timeout 300 "$build/client/nsactl" start --config "$state/m7c.json" --watch 2>&1 | tail -5 | tee "$logs/m7c_watch.log"
+record "$build/client/nsactl" status run-000001
+"$build/client/nsactl" throughput run-000001
+"$build/client/nsactl" gates run-000001 | head -6
+curl -s -m 5 http://127.0.0.1:9464/metrics > "$logs/metrics.txt" && grep -E '^nsad_run_(tokens_per_second|step|loss)' "$logs/metrics.txt" | head -5 || { echo "metrics scrape FAILED"; status=1; }
+kill $daemon; wait $daemon; echo "nsad exit $?"
+cp "$state"/runs/*/worker.log "$logs/" 2>/dev/null
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  step "train_bench"
+  timeout 300 "$build/bench/train/train_bench" --batches 1,16 --steps 15 2>&1 | tee "$logs/train_bench.log"
+fi
+echo "== done, status $status"
+exit $status

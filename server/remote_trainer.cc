@@ -1,0 +1,224 @@
+#include "remote_trainer.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+
+#include "config_mapping.h"
+
+extern char** environ;
+
+namespace nsad::server {
+namespace worker = nsa::worker::v1;
+
+namespace {
+
+constexpr auto kExitGrace = std::chrono::seconds(10);  // after stdin closes, before SIGKILL
+
+void CloseFd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+[[noreturn]] void ThrowWorkerError(const worker::Error& error) {
+  switch (error.kind()) {
+    case worker::Error::CONFIG: {
+      std::vector<FieldError> fields;
+      for (const auto& f : error.fields()) fields.push_back({f.field(), f.message()});
+      if (fields.empty()) fields.push_back({"config", error.message()});
+      throw ConfigError(std::move(fields));
+    }
+    case worker::Error::HALT:
+      throw TrainingHalt(error.step(), error.message());
+    default:
+      throw std::runtime_error(error.message());
+  }
+}
+
+}  // namespace
+
+WorkerProcess::WorkerProcess(const std::string& worker_binary, const std::string& log_path)
+    : log_path_(log_path) {
+  int in_pipe[2], out_pipe[2];  // [0] read end, [1] write end
+  if (::pipe2(in_pipe, O_CLOEXEC) != 0 || ::pipe2(out_pipe, O_CLOEXEC) != 0) {
+    throw std::runtime_error("cannot create pipes for nsad-worker");
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in_pipe[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_APPEND, 0644);
+  std::string binary = worker_binary;
+  char* argv[] = {binary.data(), nullptr};
+  // Its own process group: a Ctrl-C at the daemon's terminal reaches only the daemon, which
+  // halts runs cleanly between steps; the worker exits when its stdin closes. Signals the
+  // daemon handles revert to their default action in the worker.
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  posix_spawnattr_setpgroup(&attributes, 0);
+  sigset_t handled;
+  sigemptyset(&handled);
+  sigaddset(&handled, SIGINT);
+  sigaddset(&handled, SIGTERM);
+  posix_spawnattr_setsigdefault(&attributes, &handled);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
+  const int rc = ::posix_spawn(&pid_, binary.c_str(), &actions, &attributes, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attributes);
+  ::close(in_pipe[0]);
+  ::close(out_pipe[1]);
+  to_worker_ = in_pipe[1];
+  from_worker_ = out_pipe[0];
+  if (rc != 0) {
+    CloseFd(to_worker_);
+    CloseFd(from_worker_);
+    pid_ = -1;
+    throw std::runtime_error("cannot start " + worker_binary + ": " + std::strerror(rc));
+  }
+  channel_ = std::make_unique<WorkerChannel>(from_worker_, to_worker_);
+}
+
+WorkerProcess::~WorkerProcess() {
+  channel_.reset();
+  CloseFd(to_worker_);  // EOF on its stdin: the worker finishes and exits
+  CloseFd(from_worker_);
+  if (pid_ <= 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + kExitGrace;
+  int status = 0;
+  while (::waitpid(pid_, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::string WorkerProcess::DescribeExit() {
+  int status = 0;
+  // The pipe closed, so the worker is exiting or gone; give it a moment to be reaped.
+  for (int i = 0; i < 200 && ::waitpid(pid_, &status, WNOHANG) == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string what = "nsad-worker (pid " + std::to_string(pid_) + ") ";
+  if (WIFSIGNALED(status)) {
+    what += "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
+            strsignal(WTERMSIG(status)) + ")";
+  } else if (WIFEXITED(status)) {
+    what += "exited with status " + std::to_string(WEXITSTATUS(status));
+  } else {
+    what += "stopped answering";
+  }
+  pid_ = -1;
+  return what + "; its log: " + log_path_;
+}
+
+worker::Response WorkerProcess::Call(const worker::Request& request) {
+  if (pid_ <= 0) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
+  worker::Response response;
+  if (!channel_->Write(request) || !channel_->Read(&response)) {
+    throw std::runtime_error(DescribeExit());
+  }
+  return response;
+}
+
+RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::string& log_path) {
+  WorkerProcess process(worker_binary, log_path);
+  worker::Request request;
+  request.mutable_probe();
+  const auto response = process.Call(request);
+  if (!response.has_capabilities()) throw std::runtime_error("nsad-worker: bad probe reply");
+  RuntimeCapabilities caps;
+  caps.cuda_devices = response.capabilities().cuda_devices();
+  caps.cuda_kernels = response.capabilities().cuda_kernels();
+  return caps;
+}
+
+namespace {
+
+class RemoteTrainer final : public Trainer {
+ public:
+  RemoteTrainer(const std::string& worker_binary, const std::string& log_path,
+                const TrainConfig& config)
+      : config_(config), process_(worker_binary, log_path) {
+    worker::Request request;
+    *request.mutable_create()->mutable_config() = ToProto(config);
+    const auto response = process_.Call(request);
+    if (response.has_error()) ThrowWorkerError(response.error());
+    if (!response.has_created()) throw std::runtime_error("nsad-worker: bad create reply");
+    device_ = response.created().device();
+    backend_ = FromProto(response.created().attention_backend());
+    parameter_count_ = response.created().parameter_count();
+  }
+
+  StepMetrics Step() override {
+    worker::Request request;
+    request.mutable_step();
+    const auto response = process_.Call(request);
+    if (response.has_error()) ThrowWorkerError(response.error());
+    if (!response.has_stepped()) throw std::runtime_error("nsad-worker: bad step reply");
+    const auto& s = response.stepped();
+    StepMetrics m;
+    m.step = step_ = s.step();
+    m.loss = s.loss();
+    m.lr = s.lr();
+    m.grad_norm = s.grad_norm();
+    m.step_seconds = s.step_seconds();
+    m.tokens_per_second = s.tokens_per_second();
+    m.tokens_seen = s.tokens_seen();
+    gates_.step = s.gates_step();
+    gates_.layers.clear();
+    for (const auto& l : s.gates()) {
+      LayerGateStats g;
+      g.layer = l.layer();
+      g.mean = {l.mean().cmp(), l.mean().slc(), l.mean().win()};
+      g.stddev = {l.stddev().cmp(), l.stddev().slc(), l.stddev().win()};
+      g.mean_selected_blocks = l.mean_selected_blocks();
+      gates_.layers.push_back(g);
+    }
+    return m;
+  }
+
+  double Evaluate() override {
+    worker::Request request;
+    request.mutable_evaluate();
+    const auto response = process_.Call(request);
+    if (response.has_error()) ThrowWorkerError(response.error());
+    return response.evaluated().loss();
+  }
+
+  int64_t step() const override { return step_; }
+  bool finished() const override { return step_ >= config_.max_steps; }
+  GateReport gates() const override { return gates_; }
+  const TrainConfig& config() const override { return config_; }
+  std::string device() const override { return device_; }
+  AttentionBackend attention_backend() const override { return backend_; }
+  int64_t parameter_count() const override { return parameter_count_; }
+
+ private:
+  TrainConfig config_;
+  WorkerProcess process_;
+  std::string device_;
+  AttentionBackend backend_ = AttentionBackend::kReference;
+  int64_t parameter_count_ = 0;
+  int64_t step_ = 0;
+  GateReport gates_;
+};
+
+}  // namespace
+
+std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
+                                             const std::string& log_path,
+                                             const TrainConfig& config) {
+  return std::make_unique<RemoteTrainer>(worker_binary, log_path, config);
+}
+
+}  // namespace nsad::server

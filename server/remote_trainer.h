@@ -1,0 +1,49 @@
+// nsad::Trainer implemented by an nsad-worker process: the daemon's run threads drive it
+// exactly like an in-process trainer, while torch, CUDA and their failure modes stay in the
+// worker. A worker that dies turns into an exception on the run, never into a daemon crash.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+
+#include "nsa/v1/worker.pb.h"
+#include "nsad/engine.h"
+#include "worker_channel.h"
+
+namespace nsad::server {
+
+// One nsad-worker child process with pipes to its stdin/stdout; stderr goes to log_path.
+class WorkerProcess {
+ public:
+  WorkerProcess(const std::string& worker_binary, const std::string& log_path);
+  ~WorkerProcess();  // closes stdin (the worker exits on EOF), waits, kills if it must
+  WorkerProcess(const WorkerProcess&) = delete;
+  WorkerProcess& operator=(const WorkerProcess&) = delete;
+
+  // Sends a request and waits for its response. Throws std::runtime_error naming the exit
+  // status or signal when the worker is gone.
+  nsa::worker::v1::Response Call(const nsa::worker::v1::Request& request);
+  pid_t pid() const { return pid_; }
+
+ private:
+  std::string DescribeExit();
+
+  std::string log_path_;
+  pid_t pid_ = -1;
+  int to_worker_ = -1;
+  int from_worker_ = -1;
+  std::unique_ptr<WorkerChannel> channel_;
+};
+
+// Starts a worker just to ask what this machine offers (CUDA devices, kernels).
+RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::string& log_path);
+
+// Creates a trainer in a fresh worker; throws ConfigError / std::runtime_error like
+// Trainer::Create.
+std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
+                                             const std::string& log_path,
+                                             const TrainConfig& config);
+
+}  // namespace nsad::server

@@ -1,0 +1,123 @@
+// nsad-worker: hosts one run's engine Trainer (LibTorch, CUDA) for the daemon, speaking
+// nsa.worker.v1 on stdin/stdout (see proto/nsa/v1/worker.proto). Exits when stdin closes.
+// Logs go to stderr, which the daemon sends to the run's worker.log.
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <exception>
+#include <memory>
+
+#include "config_mapping.h"
+#include "nsa/v1/worker.pb.h"
+#include "nsad/engine.h"
+#include "worker_channel.h"
+
+namespace {
+
+namespace worker = nsa::worker::v1;
+using nsad::server::ToProto;
+
+void SetError(worker::Response* response, worker::Error::Kind kind, const std::string& message,
+              int64_t step = 0) {
+  auto* error = response->mutable_error();
+  error->set_kind(kind);
+  error->set_message(message);
+  error->set_step(step);
+}
+
+void FillStepped(const nsad::StepMetrics& m, const nsad::GateReport& gates, worker::Stepped* s) {
+  s->set_step(m.step);
+  s->set_loss(m.loss);
+  s->set_lr(m.lr);
+  s->set_grad_norm(m.grad_norm);
+  s->set_step_seconds(m.step_seconds);
+  s->set_tokens_per_second(m.tokens_per_second);
+  s->set_tokens_seen(m.tokens_seen);
+  s->set_gates_step(gates.step);
+  for (const auto& layer : gates.layers) {
+    auto* l = s->add_gates();
+    l->set_layer(layer.layer);
+    l->mutable_mean()->set_cmp(layer.mean.cmp);
+    l->mutable_mean()->set_slc(layer.mean.slc);
+    l->mutable_mean()->set_win(layer.mean.win);
+    l->mutable_stddev()->set_cmp(layer.stddev.cmp);
+    l->mutable_stddev()->set_slc(layer.stddev.slc);
+    l->mutable_stddev()->set_win(layer.stddev.win);
+    l->set_mean_selected_blocks(layer.mean_selected_blocks);
+  }
+}
+
+worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Trainer>& trainer) {
+  worker::Response response;
+  try {
+    switch (request.kind_case()) {
+      case worker::Request::kProbe: {
+        const auto caps = nsad::ProbeRuntime();
+        response.mutable_capabilities()->set_cuda_devices(caps.cuda_devices);
+        response.mutable_capabilities()->set_cuda_kernels(caps.cuda_kernels);
+        break;
+      }
+      case worker::Request::kCreate: {
+        if (trainer) {
+          SetError(&response, worker::Error::OTHER, "a trainer already exists in this worker");
+          break;
+        }
+        trainer = nsad::Trainer::Create(nsad::server::FromProto(request.create().config()));
+        auto* created = response.mutable_created();
+        created->set_device(trainer->device());
+        created->set_attention_backend(ToProto(trainer->attention_backend()));
+        created->set_parameter_count(trainer->parameter_count());
+        break;
+      }
+      case worker::Request::kStep:
+        if (!trainer) {
+          SetError(&response, worker::Error::OTHER, "step before create");
+          break;
+        }
+        {
+          const auto m = trainer->Step();
+          FillStepped(m, trainer->gates(), response.mutable_stepped());
+        }
+        break;
+      case worker::Request::kEvaluate:
+        if (!trainer) {
+          SetError(&response, worker::Error::OTHER, "evaluate before create");
+          break;
+        }
+        response.mutable_evaluated()->set_loss(trainer->Evaluate());
+        break;
+      default:
+        SetError(&response, worker::Error::OTHER, "unknown request");
+    }
+  } catch (const nsad::ConfigError& e) {
+    SetError(&response, worker::Error::CONFIG, e.what());
+    for (const auto& f : e.errors()) {
+      auto* field = response.mutable_error()->add_fields();
+      field->set_field(f.field);
+      field->set_message(f.message);
+    }
+  } catch (const nsad::TrainingHalt& e) {
+    SetError(&response, worker::Error::HALT, e.what(), e.step());
+  } catch (const std::exception& e) {
+    SetError(&response, worker::Error::OTHER, e.what(), trainer ? trainer->step() : 0);
+  }
+  return response;
+}
+
+}  // namespace
+
+int main() {
+  // If the daemon dies without closing our stdin (SIGKILL), do not train on as an orphan.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) return 1;
+  nsad::server::WorkerChannel channel(STDIN_FILENO, STDOUT_FILENO);
+  std::unique_ptr<nsad::Trainer> trainer;
+  worker::Request request;
+  while (channel.Read(&request)) {
+    if (!channel.Write(Handle(request, trainer))) break;
+    request.Clear();
+  }
+  return 0;  // stdin closed: the daemon is done with this run
+}

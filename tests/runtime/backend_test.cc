@@ -1,0 +1,99 @@
+// The backend a config names is the backend that runs: each NSA layer's forward is counted
+// per backend by the dispatch (nsa::LayersExecuted), and environment variables named like
+// the field reports' flags switch nothing. GPU cases run only where a GPU is present.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include "../common/temp_dir.h"
+#include "data/shard.h"
+#include "nsa/dispatch.h"
+#include "nsad/engine.h"
+
+namespace nsad {
+namespace {
+
+class BackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::vector<uint32_t> tokens(20000);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>((i * 7) % 251);
+    data::WriteShard(tmp_.path() + "/train.bin", tokens, data::TokenWidth::kUint16);
+  }
+  TrainConfig Tiny(const std::string& device, AttentionBackend backend) const {
+    TrainConfig c;
+    c.model.dim = 64;
+    c.model.n_layers = 2;
+    c.model.n_heads = 4;
+    c.model.n_kv_groups = 2;
+    c.model.head_dim = 64;  // the kernels' head dims are 64 and 128
+    c.model.nsa = {16, 8, 32, 4, 64};
+    c.data.train_path = tmp_.path() + "/train.bin";
+    c.data.val_fraction = 0.1f;
+    c.seq_len = 128;
+    c.batch_size = 2;
+    c.max_steps = 10;
+    c.device = device;
+    c.dtype = device == "cpu" ? "float32" : "bfloat16";
+    c.attention_backend = backend;
+    return c;
+  }
+  // Runs `steps` steps and returns how many layer forwards each backend executed.
+  std::pair<int64_t, int64_t> Count(const TrainConfig& config, int steps) {
+    const int64_t ref0 = nsa::LayersExecuted(AttentionBackend::kReference);
+    const int64_t cuda0 = nsa::LayersExecuted(AttentionBackend::kCuda);
+    auto trainer = Trainer::Create(config);
+    for (int i = 0; i < steps; ++i) EXPECT_TRUE(std::isfinite(trainer->Step().loss));
+    return {nsa::LayersExecuted(AttentionBackend::kReference) - ref0,
+            nsa::LayersExecuted(AttentionBackend::kCuda) - cuda0};
+  }
+  testing::TempDir tmp_{"nsad-backend-test"};
+};
+
+TEST_F(BackendTest, ReferenceOnCpuRunsOnlyTheReference) {
+  // Flags of the kind the field reports found ignored: none of them may matter here.
+  ::setenv("NSA_USE_FA2", "1", 1);
+  ::setenv("NSAD_ATTENTION_BACKEND", "cuda", 1);
+  const auto [reference, cuda] = Count(Tiny("cpu", AttentionBackend::kAuto), 3);
+  EXPECT_EQ(reference, 3 * 2) << "3 steps x 2 layers";
+  EXPECT_EQ(cuda, 0);
+  ::unsetenv("NSA_USE_FA2");
+  ::unsetenv("NSAD_ATTENTION_BACKEND");
+}
+
+TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(ProbeRuntime().cuda_kernels) << "a GPU build must have runnable NSA kernels";
+  const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3);
+  EXPECT_EQ(cuda, 3 * 2);
+  EXPECT_EQ(reference, 0);
+}
+
+TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kAuto), 2);
+  EXPECT_EQ(cuda, 2 * 2);
+  EXPECT_EQ(reference, 0);
+  std::tie(reference, cuda) = Count(Tiny("cuda", AttentionBackend::kReference), 2);
+  EXPECT_EQ(reference, 2 * 2) << "the reference backend on a GPU is still the reference";
+  EXPECT_EQ(cuda, 0);
+}
+
+TEST_F(BackendTest, CudaAndReferenceTrainToTheSameLosses) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  auto losses = [&](AttentionBackend backend) {
+    auto config = Tiny("cuda", backend);
+    config.dtype = "float32";  // compare the maths, not bf16 rounding
+    auto trainer = Trainer::Create(config);
+    std::vector<double> out;
+    for (int i = 0; i < 5; ++i) out.push_back(trainer->Step().loss);
+    return out;
+  };
+  const auto reference = losses(AttentionBackend::kReference);
+  const auto cuda = losses(AttentionBackend::kCuda);
+  for (size_t i = 0; i < reference.size(); ++i) {
+    EXPECT_NEAR(cuda[i], reference[i], 1e-3 * reference[i]) << "step " << i + 1;
+  }
+}
+
+}  // namespace
+}  // namespace nsad
