@@ -173,7 +173,8 @@ class CommandRunner {
     } else {
       out_ << "started run " << run.run_id();
       if (!run.config().name().empty()) out_ << " (" << run.config().name() << ")";
-      out_ << " on " << run.device() << ", " << run.parameter_count() << " parameters\n";
+      // Device and size are known once the worker has built the model (nsactl status).
+      out_ << ": " << nsa::v1::RunState_Name(run.state()) << "\n";
     }
     out_.flush();
     return inv_.watch_after_start ? Watch(run.run_id()) : kExitOk;

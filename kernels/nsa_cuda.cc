@@ -8,6 +8,7 @@
 #include "nsa_cuda.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/record_function.h>
 #include <torch/autograd.h>
 
 #include <cmath>
@@ -50,12 +51,14 @@ struct SelectedAttentionFn : torch::autograd::Function<SelectedAttentionFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& block_idx,
                                const Geometry& g) {
+    RECORD_FUNCTION("nsa::selected_forward", std::vector<c10::IValue>());
     auto [out, lse] = detail::SelectedForward(q, k, v, block_idx, ToGeo(g));
     ctx->save_for_backward({q, k, v, out, lse, block_idx});
     SaveGeometry(ctx, g);
     return out;
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::selected_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     auto [dq, dk, dv] =
         detail::SelectedBackward(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], ToGeo(LoadGeometry(ctx)));
@@ -67,6 +70,7 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
                              const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
                              const Geometry& g) {
+    RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
     auto [out, lse, importance] = detail::CompressedForward(q, k_cmp, v_cmp, ToGeo(g));
     ctx->save_for_backward({q, k_cmp, v_cmp, out, lse});
     ctx->mark_non_differentiable({importance});
@@ -74,6 +78,7 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
     return {out, importance};
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(s[3]);
     auto [dq, dk, dv] = detail::CompressedBackward(grad_out, s[0], s[1], s[2], s[3], s[4],
@@ -138,6 +143,7 @@ CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Ten
 }
 
 torch::Tensor SelectBlocks(const torch::Tensor& importance, int64_t seq_len, const Geometry& g) {
+  RECORD_FUNCTION("nsa::select_blocks", std::vector<c10::IValue>());
   return detail::SelectBlocksLaunch(importance.detach(), seq_len, ToGeo(g));
 }
 

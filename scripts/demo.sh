@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-scripts/build.sh nsad nsactl nsa-shard
+scripts/build.sh nsad nsad-worker nsactl nsa-shard
 BUILD=${NSAD_BUILD_DIR:-build}
 STATE=${NSAD_STATE_DIR:-.state/demo}
 CONFIG=${NSAD_DEMO_CONFIG:-configs/demo.json}
@@ -16,10 +16,10 @@ export NSAD_ADDR=$ADDR
 scripts/make_default_dataset.sh data/fortunes "$BUILD"
 
 mkdir -p "$STATE"
-if ! "$BUILD/nsactl" --timeout 2 list >/dev/null 2>&1; then
+if ! "$BUILD/bin/nsactl" --timeout 2 list >/dev/null 2>&1; then
   echo "[demo] starting nsad on $ADDR (log: $STATE/nsad.log, metrics: http://127.0.0.1:9464/metrics)"
   rm -f "$STATE/endpoints.json"
-  nohup "$BUILD/nsad" --listen "$ADDR" --metrics 127.0.0.1:9464 --state-dir "$STATE" \
+  nohup "$BUILD/bin/nsad" --listen "$ADDR" --metrics 127.0.0.1:9464 --state-dir "$STATE" \
       > "$STATE/nsad.log" 2>&1 &
   daemon_pid=$!
   if [ "${NSAD_KEEP_DAEMON:-0}" != 1 ]; then
@@ -32,9 +32,9 @@ else
 fi
 
 echo "[demo] nsactl start --config $CONFIG --watch"
-"$BUILD/nsactl" start --config "$CONFIG" --watch
-run_id=$("$BUILD/nsactl" --json list | sed -n 's/.*"run_id": *"\([^"]*\)".*/\1/p' | tail -1)
+"$BUILD/bin/nsactl" start --config "$CONFIG" --watch
+run_id=$("$BUILD/bin/nsactl" --json list | sed -n 's/.*"run_id": *"\([^"]*\)".*/\1/p' | tail -1)
 echo
-"$BUILD/nsactl" status "$run_id"
+"$BUILD/bin/nsactl" status "$run_id"
 echo
-"$BUILD/nsactl" gates "$run_id"
+"$BUILD/bin/nsactl" gates "$run_id"

@@ -64,15 +64,15 @@ sed -e "s#data/fineweb10B/fineweb_train_\*.bin#$state/data/random_train_*.bin#" 
     -e 's#"val_path": "data/fineweb10B/fineweb_val_\*.bin"#"val_fraction": 0.01#' \
     -e "s#\"max_steps\": 50000#\"max_steps\": ${M7C_STEPS:-30}#" -e 's#"eval_every": 500#"eval_every": 0#' \
     configs/m7c_125m.json > "$state/m7c.json"
-"$build/server/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
+"$build/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
 daemon=$!
 for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
 cat "$state/endpoints.json"
-timeout 300 "$build/client/nsactl" start --config "$state/m7c.json" --watch 2>&1 | tail -5 | tee "$logs/m7c_watch.log"
-record "$build/client/nsactl" status run-000001
-"$build/client/nsactl" throughput run-000001
-"$build/client/nsactl" gates run-000001 | head -6
-curl -s -m 5 http://127.0.0.1:9464/metrics > "$logs/metrics.txt" && grep -E '^nsad_run_(tokens_per_second|step|loss)' "$logs/metrics.txt" | head -5 || { echo "metrics scrape FAILED"; status=1; }
+timeout 300 "$build/bin/nsactl" start --config "$state/m7c.json" --watch 2>&1 | tail -5 | tee "$logs/m7c_watch.log"
+record "$build/bin/nsactl" status run-000001
+"$build/bin/nsactl" throughput run-000001
+"$build/bin/nsactl" gates run-000001 | head -6
+env -u LD_LIBRARY_PATH curl -s -m 5 http://127.0.0.1:9464/metrics > "$logs/metrics.txt" && grep -E '^nsad_run_(tokens_per_second|step|loss)' "$logs/metrics.txt" | head -5 || { echo "metrics scrape FAILED"; status=1; }
 kill $daemon; wait $daemon; echo "nsad exit $?"
 cp "$state"/runs/*/worker.log "$logs/" 2>/dev/null
 

@@ -152,6 +152,26 @@ nsa::v1::RunConfig ToProto(const TrainConfig& c) {
   return p;
 }
 
+void ToProto(const LayerGateStats& stats, nsa::v1::LayerGates* out) {
+  out->set_layer(stats.layer);
+  out->mutable_mean()->set_cmp(stats.mean.cmp);
+  out->mutable_mean()->set_slc(stats.mean.slc);
+  out->mutable_mean()->set_win(stats.mean.win);
+  out->mutable_stddev()->set_cmp(stats.stddev.cmp);
+  out->mutable_stddev()->set_slc(stats.stddev.slc);
+  out->mutable_stddev()->set_win(stats.stddev.win);
+  out->set_mean_selected_blocks(stats.mean_selected_blocks);
+}
+
+LayerGateStats FromProto(const nsa::v1::LayerGates& proto) {
+  LayerGateStats stats;
+  stats.layer = proto.layer();
+  stats.mean = {proto.mean().cmp(), proto.mean().slc(), proto.mean().win()};
+  stats.stddev = {proto.stddev().cmp(), proto.stddev().slc(), proto.stddev().win()};
+  stats.mean_selected_blocks = proto.mean_selected_blocks();
+  return stats;
+}
+
 std::string ParseRunConfigJson(const std::string& json, nsa::v1::RunConfig* out) {
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;  // a typo must not silently become a default

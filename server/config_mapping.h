@@ -7,6 +7,7 @@
 
 #include "nsa/v1/trainer.pb.h"
 #include "nsad/config.h"
+#include "nsad/engine.h"
 
 namespace nsad::server {
 
@@ -18,6 +19,10 @@ nsa::v1::RunConfig ToProto(const TrainConfig& config);
 
 nsa::v1::AttentionBackend ToProto(AttentionBackend backend);
 AttentionBackend FromProto(nsa::v1::AttentionBackend backend);  // UNSPECIFIED = kAuto
+
+// Gate statistics of one layer, both ways (daemon <-> worker, daemon -> InspectGates).
+void ToProto(const LayerGateStats& stats, nsa::v1::LayerGates* out);
+LayerGateStats FromProto(const nsa::v1::LayerGates& proto);
 
 // Parses protobuf JSON strictly. Returns "" on success, otherwise a message that names
 // the offending field, e.g. "model.dimm: unknown field".

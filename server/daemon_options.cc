@@ -13,6 +13,7 @@ std::string DaemonUsage() {
          "  --state-dir DIR            run records (default ./nsad-state)\n"
          "  --log-level LEVEL          trace|debug|info|warn|error (default info)\n"
          "  --worker PATH              nsad-worker binary (default: next to nsad)\n"
+         "  --allow-fault-injection    accept run configs with fault_injection (drills, tests)\n"
          "The bound addresses are written to DIR/endpoints.json.\n";
 }
 
@@ -30,6 +31,10 @@ bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::stri
     if (arg == "--help" || arg == "-h") {
       *error = "help";
       return false;
+    }
+    if (arg == "--allow-fault-injection") {
+      options->allow_fault_injection = true;
+      continue;
     }
     std::string value;
     const auto eq = arg.find('=');

@@ -15,6 +15,7 @@ struct DaemonOptions {
   std::string state_dir = "nsad-state";            // run records and checkpoints
   std::string log_level = "info";
   std::string worker_binary;  // nsad-worker; default: next to the nsad executable
+  bool allow_fault_injection = false;  // lets run configs use fault_injection (drills, tests)
 };
 
 // Accepts --name=value and --name value. On failure returns false with *error set

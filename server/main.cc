@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
                caps.cuda_kernels ? "available" : "unavailable");
   auto runs = std::make_unique<nsad::server::RunManager>(
       options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
-      nsad::server::DefaultConfigChecker(caps));
+      nsad::server::DefaultConfigChecker(caps),
+      nsad::server::RunManagerOptions{options.allow_fault_injection});
   nsad::server::TrainerService service(runs.get());
 
   int port = 0;

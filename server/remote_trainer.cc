@@ -151,6 +151,7 @@ class RemoteTrainer final : public Trainer {
       : config_(config), process_(worker_binary, log_path) {
     worker::Request request;
     *request.mutable_create()->mutable_config() = ToProto(config);
+    request.mutable_create()->set_allow_fault_injection(config.allow_fault_injection);
     const auto response = process_.Call(request);
     if (response.has_error()) ThrowWorkerError(response.error());
     if (!response.has_created()) throw std::runtime_error("nsad-worker: bad create reply");
@@ -174,16 +175,12 @@ class RemoteTrainer final : public Trainer {
     m.step_seconds = s.step_seconds();
     m.tokens_per_second = s.tokens_per_second();
     m.tokens_seen = s.tokens_seen();
+    m.skipped_reason = s.skipped_reason();
+    m.skipped_steps = s.skipped_steps();
+    m.checkpoint = s.checkpoint();
     gates_.step = s.gates_step();
     gates_.layers.clear();
-    for (const auto& l : s.gates()) {
-      LayerGateStats g;
-      g.layer = l.layer();
-      g.mean = {l.mean().cmp(), l.mean().slc(), l.mean().win()};
-      g.stddev = {l.stddev().cmp(), l.stddev().slc(), l.stddev().win()};
-      g.mean_selected_blocks = l.mean_selected_blocks();
-      gates_.layers.push_back(g);
-    }
+    for (const auto& l : s.gates()) gates_.layers.push_back(FromProto(l));
     return m;
   }
 

@@ -76,11 +76,12 @@ struct RunManager::Run {
 };
 
 RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
-                       ConfigChecker checker)
+                       ConfigChecker checker, RunManagerOptions options)
     : state_dir_(std::move(state_dir)),
       metrics_(metrics),
       factory_(std::move(factory)),
-      checker_(std::move(checker)) {
+      checker_(std::move(checker)),
+      options_(options) {
   fs::create_directories(fs::path(state_dir_) / "runs");
   LoadPersistedRuns();
 }
@@ -91,13 +92,15 @@ RunManager::~RunManager() {
 }
 
 void RunManager::WaitForRuns() {
-  std::map<std::string, std::shared_ptr<Run>> runs;
+  // After Shutdown no thread is started any more (Start and Restart check shutting_down_
+  // under mutex_), so the handles can be taken and joined without holding the lock.
+  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    runs = runs_;
+    for (auto& [id, run] : runs_) threads.push_back(std::move(run->thread));
   }
-  for (auto& [id, run] : runs) {
-    if (run->thread.joinable()) run->thread.join();
+  for (auto& thread : threads) {
+    if (thread.joinable()) thread.join();
   }
 }
 
@@ -180,6 +183,7 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
             "config: unknown field " + unknown.front() + " (client newer than daemon?)"};
   }
   TrainConfig config = FromProto(proto);
+  config.allow_fault_injection = options_.allow_fault_injection;
   auto errors = ValidateConfig(config);
   if (errors.empty() && checker_) errors = checker_(config);
   if (!errors.empty()) {
@@ -194,6 +198,12 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     run->info.set_run_id(NextRunId());
     runs_[run->info.run_id()] = run;
   }
+  if (run->config.checkpoint_dir.empty()) {
+    // Every run checkpoints into its own folder unless the config says otherwise.
+    run->config.checkpoint_dir =
+        (fs::path(state_dir_) / "runs" / run->info.run_id() / "checkpoints").string();
+  }
+  config = run->config;
   {
     std::lock_guard<std::mutex> lock(run->mutex);
     *run->info.mutable_config() = ToProto(config);
@@ -206,6 +216,7 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     *out = run->info;
   }
   spdlog::info("run {} started: {}", out->run_id(), config.name);
+  std::lock_guard<std::mutex> lock(mutex_);  // guards run->thread against WaitForRuns
   run->thread = std::thread([this, run] { Execute(run); });
   return grpc::Status::OK;
 }
@@ -278,6 +289,8 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     p->set_tokens_per_second(m.tokens_per_second);
     p->set_tokens_seen(m.tokens_seen);
     p->set_elapsed_seconds(p->elapsed_seconds() + m.step_seconds);
+    p->set_skipped_steps(m.skipped_steps);
+    if (!m.checkpoint.empty()) p->set_last_checkpoint(m.checkpoint);
     if (!std::isnan(val_loss)) {
       p->set_val_loss(val_loss);
       p->set_val_step(m.step);
@@ -290,8 +303,15 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       Transition(*run, nsa::v1::COMPLETED, "");
       break;
     }
-    if (m.step % config.log_every == 0 || !std::isnan(val_loss)) Publish(*run);
+    if (!m.skipped_reason.empty()) {
+      spdlog::warn("run {} skipped the update of step {}: {}", id, m.step, m.skipped_reason);
+      run->info.set_message("skipped step " + std::to_string(m.step) + ": " + m.skipped_reason);
+      Publish(*run);
+    } else if (m.step % config.log_every == 0 || !std::isnan(val_loss) || !m.checkpoint.empty()) {
+      Publish(*run);
+    }
   }
+  std::lock_guard<std::mutex> lock(run->mutex);
   spdlog::info("run {} ended {} at step {}", id, StateName(run->info.state()),
                run->info.progress().step());
 }
@@ -360,13 +380,45 @@ grpc::Status RunManager::Resume(const std::string& run_id, nsa::v1::RunInfo* out
   grpc::Status status;
   auto run = Find(run_id, &status);
   if (!run) return status;
-  std::lock_guard<std::mutex> lock(run->mutex);
+  std::unique_lock<std::mutex> lock(run->mutex);
   const RunState s = run->info.state();
+  if (s == nsa::v1::HALTED || s == nsa::v1::FAILED) {
+    lock.unlock();
+    return Restart(run, out);
+  }
   if (s != nsa::v1::PAUSING && s != nsa::v1::PAUSED) return Precondition(run_id, s, "resume");
   // A run still building its trainer stays PENDING; Execute moves it to RUNNING.
   const bool started = run->info.parameter_count() > 0;
   Transition(*run, started ? nsa::v1::RUNNING : nsa::v1::PENDING, "");
   *out = run->info;
+  return grpc::Status::OK;
+}
+
+grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out) {
+  const std::string& id = run->info.run_id();
+  std::lock_guard<std::mutex> manager_lock(mutex_);  // guards run->thread against WaitForRuns
+  if (shutting_down_) return {grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"};
+  std::unique_lock<std::mutex> lock(run->mutex);
+  const RunState s = run->info.state();
+  if (s != nsa::v1::HALTED && s != nsa::v1::FAILED) return Precondition(id, s, "resume");
+  const std::string checkpoint = run->info.progress().last_checkpoint();
+  if (checkpoint.empty() || !fs::exists(checkpoint)) {
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            "run " + id + " is " + StateName(s) + " and has no checkpoint to resume from"};
+  }
+  // The previous thread has finished its run (terminal state); reap it outside the lock.
+  std::thread previous = std::move(run->thread);
+  lock.unlock();
+  if (previous.joinable()) previous.join();
+  lock.lock();
+  run->config.resume_from = checkpoint;
+  *run->info.mutable_config() = ToProto(run->config);
+  run->info.set_parameter_count(0);  // set again once the new worker has loaded it
+  Transition(*run, nsa::v1::PENDING, "resuming from " + checkpoint);
+  *out = run->info;
+  lock.unlock();
+  spdlog::info("run {} resuming from {}", id, checkpoint);
+  run->thread = std::thread([this, run] { Execute(run); });
   return grpc::Status::OK;
 }
 
@@ -460,17 +512,7 @@ grpc::Status RunManager::Gates(const std::string& run_id, nsa::v1::InspectGatesR
   }
   out->set_run_id(run_id);
   out->set_step(run->gates.step);
-  for (const auto& layer : run->gates.layers) {
-    auto* l = out->add_layers();
-    l->set_layer(layer.layer);
-    l->mutable_mean()->set_cmp(layer.mean.cmp);
-    l->mutable_mean()->set_slc(layer.mean.slc);
-    l->mutable_mean()->set_win(layer.mean.win);
-    l->mutable_stddev()->set_cmp(layer.stddev.cmp);
-    l->mutable_stddev()->set_slc(layer.stddev.slc);
-    l->mutable_stddev()->set_win(layer.stddev.win);
-    l->set_mean_selected_blocks(layer.mean_selected_blocks);
-  }
+  for (const auto& layer : run->gates.layers) ToProto(layer, out->add_layers());
   return grpc::Status::OK;
 }
 

@@ -28,16 +28,23 @@ using TrainerFactory =
 // created; returns field errors. Empty by default.
 using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>;
 
+struct RunManagerOptions {
+  // Lets configs use fault_injection (tests, drills); refused otherwise.
+  bool allow_fault_injection = false;
+};
+
 class RunManager {
  public:
   RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
-             ConfigChecker checker = nullptr);
+             ConfigChecker checker = nullptr, RunManagerOptions options = {});
   ~RunManager();  // halts every live run and joins its thread
   RunManager(const RunManager&) = delete;
   RunManager& operator=(const RunManager&) = delete;
 
   grpc::Status Start(const nsa::v1::StartRunRequest& request, nsa::v1::RunInfo* out);
   grpc::Status Pause(const std::string& run_id, nsa::v1::RunInfo* out);
+  // PAUSED/PAUSING -> RUNNING; a HALTED or FAILED run with a checkpoint restarts from its
+  // latest checkpoint (exactly where that checkpoint left off).
   grpc::Status Resume(const std::string& run_id, nsa::v1::RunInfo* out);
   grpc::Status Halt(const std::string& run_id, const std::string& reason, nsa::v1::RunInfo* out);
   grpc::Status Get(const std::string& run_id, nsa::v1::RunInfo* out);
@@ -61,6 +68,7 @@ class RunManager {
   std::string NextRunId();
   void LoadPersistedRuns();
   void Execute(const std::shared_ptr<Run>& run);
+  grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
   void Publish(Run& run);
@@ -70,6 +78,7 @@ class RunManager {
   Metrics* metrics_;
   TrainerFactory factory_;
   ConfigChecker checker_;
+  RunManagerOptions options_;
 
   std::mutex mutex_;  // guards runs_, next_id_, shutting_down_
   std::map<std::string, std::shared_ptr<Run>> runs_;

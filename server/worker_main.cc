@@ -35,18 +35,11 @@ void FillStepped(const nsad::StepMetrics& m, const nsad::GateReport& gates, work
   s->set_step_seconds(m.step_seconds);
   s->set_tokens_per_second(m.tokens_per_second);
   s->set_tokens_seen(m.tokens_seen);
+  s->set_skipped_reason(m.skipped_reason);
+  s->set_skipped_steps(m.skipped_steps);
+  s->set_checkpoint(m.checkpoint);
   s->set_gates_step(gates.step);
-  for (const auto& layer : gates.layers) {
-    auto* l = s->add_gates();
-    l->set_layer(layer.layer);
-    l->mutable_mean()->set_cmp(layer.mean.cmp);
-    l->mutable_mean()->set_slc(layer.mean.slc);
-    l->mutable_mean()->set_win(layer.mean.win);
-    l->mutable_stddev()->set_cmp(layer.stddev.cmp);
-    l->mutable_stddev()->set_slc(layer.stddev.slc);
-    l->mutable_stddev()->set_win(layer.stddev.win);
-    l->set_mean_selected_blocks(layer.mean_selected_blocks);
-  }
+  for (const auto& layer : gates.layers) ToProto(layer, s->add_gates());
 }
 
 worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Trainer>& trainer) {
@@ -64,7 +57,9 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
           SetError(&response, worker::Error::OTHER, "a trainer already exists in this worker");
           break;
         }
-        trainer = nsad::Trainer::Create(nsad::server::FromProto(request.create().config()));
+        nsad::TrainConfig config = nsad::server::FromProto(request.create().config());
+        config.allow_fault_injection = request.create().allow_fault_injection();
+        trainer = nsad::Trainer::Create(config);
         auto* created = response.mutable_created();
         created->set_device(trainer->device());
         created->set_attention_backend(ToProto(trainer->attention_backend()));

@@ -6,8 +6,18 @@
 //                  through PyTorch's SDPA (FlashAttention), the baseline of the issue
 // at batch 1 and 16. Every variant runs the same loop: random tokens already on the GPU
 // (data loading is not measured), a warm-up, then the median of timed steps with CUDA
-// synchronisation around each step. Usage: train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
+// synchronisation around each step.
+//   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
+//               [--breakdown 1] [--profile N]
+// --breakdown 1 also times each phase (forward, backward, clip, optimizer) of the timed steps
+// twice: as the host enqueues it and with a device synchronisation after it. A phase whose
+// two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
+// whose synchronised time is much larger is bound by the GPU.
+// --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
+// kineto needed) and prints the N ops with the most host time and with the most GPU time,
+// plus the op count per step and any op that copies to the host (a sync).
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -15,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -92,14 +103,78 @@ struct DenseGptImpl : torch::nn::Module {
 };
 TORCH_MODULE(DenseGpt);
 
+struct Options {
+  bool breakdown = false;
+  int profile_top = 0;  // 0: no profile
+};
+
 struct Result {
   double median_ms = 0, tokens_per_second = 0;
   int64_t parameters = 0;
   std::string error;
 };
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Aggregates the legacy profiler's push/pop pairs per op name: host time (inclusive), GPU
+// time between the op's CUDA start/end events (inclusive), and calls.
+void PrintProfile(const torch::autograd::profiler::thread_event_lists& lists, int top) {
+  using torch::autograd::profiler::EventKind;
+  using torch::autograd::profiler::LegacyEvent;
+  struct Agg {
+    double cpu_us = 0, cuda_us = 0;
+    int64_t calls = 0;
+  };
+  std::map<std::string, Agg> by_name;
+  int64_t ops = 0;
+  for (const auto& list : lists) {
+    std::map<uint64_t, const LegacyEvent*> open;  // handle -> push event
+    for (const auto& e : list) {
+      if (e.kind() == EventKind::PushRange) {
+        open[e.handle()] = &e;
+      } else if (e.kind() == EventKind::PopRange) {
+        const auto it = open.find(e.handle());
+        if (it == open.end()) continue;
+        auto& a = by_name[it->second->name()];
+        a.cpu_us += it->second->cpuElapsedUs(e);
+        if (it->second->hasCuda() && e.hasCuda()) a.cuda_us += it->second->cudaElapsedUs(e);
+        ++a.calls;
+        ++ops;
+        open.erase(it);
+      }
+    }
+  }
+  std::vector<std::pair<std::string, Agg>> rows(by_name.begin(), by_name.end());
+  auto print = [&](const char* title, auto key) {
+    std::sort(rows.begin(), rows.end(), [&](const auto& a, const auto& b) { return key(a.second) > key(b.second); });
+    std::printf("  %s (inclusive; nested ops count in their parents too)\n", title);
+    std::printf("    %-52s %8s %11s %11s\n", "op", "calls", "host_ms", "gpu_ms");
+    for (int i = 0; i < top && i < static_cast<int>(rows.size()); ++i) {
+      std::printf("    %-52.52s %8lld %11.3f %11.3f\n", rows[i].first.c_str(),
+                  static_cast<long long>(rows[i].second.calls), rows[i].second.cpu_us / 1e3,
+                  rows[i].second.cuda_us / 1e3);
+    }
+  };
+  std::printf("  profiled step: %lld recorded ops\n", static_cast<long long>(ops));
+  print("top ops by host time", [](const Agg& a) { return a.cpu_us; });
+  print("top ops by GPU time", [](const Agg& a) { return a.cuda_us; });
+  for (const char* sync_op : {"aten::_local_scalar_dense", "aten::item", "aten::nonzero"}) {
+    const auto it = by_name.find(sync_op);
+    std::printf("  host syncs via %s: %lld\n", sync_op,
+                static_cast<long long>(it == by_name.end() ? 0 : it->second.calls));
+  }
+}
+
 template <typename Model>
-Result Measure(Model model, int batch, int seq, int steps, int vocab) {
+Result Measure(Model model, int batch, int seq, int steps, int vocab, const Options& opt) {
   Result r;
   const torch::Device cuda(torch::kCUDA, 0);
   model->to(cuda);
@@ -107,7 +182,22 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab) {
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(6e-4).weight_decay(0.1));
   const auto tokens = torch::randint(vocab, {batch, seq + 1}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
   const auto inputs = tokens.narrow(1, 0, seq), targets = tokens.narrow(1, 1, seq);
-  auto step = [&] {
+  // Phase boundaries: with `sync` each phase ends with a device synchronisation and its time
+  // lands in `phase_ms` (host enqueue time in `enqueue_ms`, taken before the sync).
+  constexpr int kPhases = 4;
+  const char* const phase_names[kPhases] = {"forward+loss", "backward", "clip_grad_norm", "adamw"};
+  std::vector<double> phase_ms[kPhases], enqueue_ms[kPhases];
+  auto step = [&](bool sync) {
+    auto t0 = std::chrono::steady_clock::now();
+    int phase = 0;
+    auto mark = [&] {
+      if (!sync) return;
+      enqueue_ms[phase].push_back(MsSince(t0));
+      torch::cuda::synchronize();
+      phase_ms[phase].push_back(MsSince(t0));
+      ++phase;
+      t0 = std::chrono::steady_clock::now();
+    };
     optimizer.zero_grad(true);
     torch::Tensor logits;
     {
@@ -118,23 +208,51 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab) {
       at::autocast::clear_cache();
     }
     auto loss = torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat), targets.reshape({-1}));
+    mark();
     loss.backward();
+    mark();
     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    mark();
     optimizer.step();
+    mark();
   };
   const int warmup = 3;
-  for (int i = 0; i < warmup; ++i) step();
+  for (int i = 0; i < warmup; ++i) step(false);
   torch::cuda::synchronize();
   std::vector<double> ms;
   for (int i = 0; i < steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    step();
+    step(false);
     torch::cuda::synchronize();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(MsSince(t0));
   }
-  std::sort(ms.begin(), ms.end());
-  r.median_ms = ms[ms.size() / 2];
+  r.median_ms = Median(ms);
   r.tokens_per_second = batch * seq / (r.median_ms / 1e3);
+  if (opt.breakdown) {
+    for (int i = 0; i < steps; ++i) step(true);
+    std::printf("  breakdown, batch %d (median ms; host = enqueue time before the sync):\n", batch);
+    double total = 0;
+    for (int p = 0; p < kPhases; ++p) {
+      total += Median(phase_ms[p]);
+      std::printf("    %-16s host %9.2f  synced %9.2f\n", phase_names[p], Median(enqueue_ms[p]),
+                  Median(phase_ms[p]));
+    }
+    std::printf("    %-16s %25.2f\n", "sum", total);
+  }
+  if (opt.profile_top > 0) {
+    torch::cuda::synchronize();
+    using torch::profiler::impl::ProfilerConfig;
+    using torch::profiler::impl::ProfilerState;
+    torch::autograd::profiler::thread_event_lists lists;
+    {
+      torch::autograd::profiler::TLSLegacyProfilerGuard guard(
+          ProfilerConfig(ProfilerState::CUDA),
+          [&](const torch::autograd::profiler::thread_event_lists& l) { lists = l; });
+      step(false);
+      torch::cuda::synchronize();
+    }
+    PrintProfile(lists, opt.profile_top);
+  }
   return r;
 }
 
@@ -151,6 +269,7 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1, 16};
   int seq = 2048, steps = 20;
   std::vector<std::string> variants = {"nsa-cuda", "dense-flash", "nsa-reference"};
+  Options opt;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--batches") {
@@ -162,6 +281,10 @@ int main(int argc, char** argv) {
       steps = std::stoi(value);
     } else if (flag == "--variants") {
       variants = Split(value);
+    } else if (flag == "--breakdown") {
+      opt.breakdown = value != "0";
+    } else if (flag == "--profile") {
+      opt.profile_top = std::stoi(value);
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -181,11 +304,11 @@ int main(int argc, char** argv) {
       try {
         torch::manual_seed(0);
         if (variant == "dense-flash") {
-          r = Measure(DenseGpt(config), batch, seq, steps, config.vocab_size);
+          r = Measure(DenseGpt(config), batch, seq, steps, config.vocab_size, opt);
         } else {
           const auto backend = variant == "nsa-cuda" ? AttentionBackend::kCuda : AttentionBackend::kReference;
           r = Measure(nsad::NsaTransformer(config, backend), batch, seq,
-                      variant == "nsa-reference" ? std::min(steps, 5) : steps, config.vocab_size);
+                      variant == "nsa-reference" ? std::min(steps, 5) : steps, config.vocab_size, opt);
         }
       } catch (const std::exception& e) {
         r.error = e.what();

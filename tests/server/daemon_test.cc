@@ -436,6 +436,73 @@ TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
   EXPECT_TRUE(WaitForStep(next.run_id(), 1)) << "the daemon still trains";
 }
 
+// Each run checkpoints into its own folder; a halted run resumes from its latest
+// checkpoint, also after the daemon restarted.
+TEST_F(DaemonTest, HaltedRunResumesFromItsLatestCheckpoint) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(3);
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(config, &run).ok());
+  const std::string id = run.run_id();
+  EXPECT_NE(run.config().checkpoint_dir().find("runs/" + id + "/checkpoints"), std::string::npos)
+      << "the effective config names the run's own checkpoint folder: " << run.config().checkpoint_dir();
+  ASSERT_TRUE(WaitForStep(id, 7));
+  ASSERT_TRUE(Halt(id, "pause for maintenance").ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
+  const auto halted = Get(id);
+  const std::string checkpoint = halted.progress().last_checkpoint();
+  ASSERT_FALSE(checkpoint.empty());
+  EXPECT_TRUE(fs::exists(checkpoint)) << checkpoint;
+
+  // Across a daemon restart, too.
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  nsa::v1::RunInfo resumed;
+  const auto status = Control(&nsa::v1::Trainer::Stub::ResumeRun, id, &resumed);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(resumed.state(), nsa::v1::PENDING);
+  EXPECT_EQ(resumed.config().resume_from(), checkpoint);
+  ASSERT_TRUE(WaitForState(id, nsa::v1::RUNNING, 60));
+  ASSERT_TRUE(WaitForStep(id, halted.progress().step() + 3)) << "the resumed run trains on";
+  ASSERT_TRUE(Halt(id, "done").ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
+
+  // A run that never checkpointed cannot be resumed that way.
+  auto no_ckpt = TinyConfig(shards_);
+  no_ckpt.set_checkpoint_every(0);
+  nsa::v1::RunInfo other;
+  ASSERT_TRUE(Start(no_ckpt, &other).ok());
+  ASSERT_TRUE(WaitForStep(other.run_id(), 1));
+  ASSERT_TRUE(Halt(other.run_id(), "").ok());
+  ASSERT_TRUE(WaitForState(other.run_id(), nsa::v1::HALTED, 60));
+  const auto refused = Control(&nsa::v1::Trainer::Stub::ResumeRun, other.run_id());
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("no checkpoint"), std::string::npos) << refused.error_message();
+}
+
+// A NaN injected into a layer halts the run at that step, names where it appeared and
+// leaves the last good checkpoint alone; without --allow-fault-injection it is refused.
+TEST_F(DaemonTest, InjectedNanHaltsTheRunWithItsLocation) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(2);
+  config.mutable_fault_injection()->set_nan_at_step(5);
+  config.mutable_fault_injection()->set_layer(0);
+  nsa::v1::RunInfo run;
+  const auto refused = Start(config, &run);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("fault_injection"), std::string::npos) << refused.error_message();
+
+  daemon_.reset();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state", std::vector<std::string>{"--allow-fault-injection"});
+  ASSERT_TRUE(Start(config, &run).ok());
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 120));
+  const auto halted = Get(run.run_id());
+  EXPECT_EQ(halted.progress().step(), 4) << "step 5's update never happened";
+  EXPECT_NE(halted.message().find("step 5"), std::string::npos) << halted.message();
+  EXPECT_NE(halted.message().find("layer 0"), std::string::npos) << halted.message();
+  EXPECT_NE(halted.progress().last_checkpoint().find("step_000000004"), std::string::npos)
+      << halted.progress().last_checkpoint();
+}
+
 TEST_F(DaemonTest, RunRecordsSurviveARestart) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());

@@ -9,6 +9,7 @@
 // (nsa/attention.cc). Norm weights start at 1, biases at 0.
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -84,10 +85,21 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
 }
 
 std::vector<LayerGateStats> NsaTransformerImpl::last_gate_stats() const {
+  // One device-to-host copy for all layers (the trainer asks every step; a copy per layer
+  // would be a host sync per layer).
+  std::vector<torch::Tensor> rows;
+  for (const auto& block : *blocks_) rows.push_back(block->as<NsaBlockImpl>()->attn->last_stats_tensor());
+  const bool all_defined =
+      std::all_of(rows.begin(), rows.end(), [](const torch::Tensor& t) { return t.defined(); });
   std::vector<LayerGateStats> stats;
-  int layer = 0;
-  for (const auto& block : *blocks_) {
-    stats.push_back(block->as<NsaBlockImpl>()->attn->last_stats(layer++));
+  if (!all_defined || rows.empty()) {
+    int layer = 0;
+    for (const auto& block : *blocks_) stats.push_back(block->as<NsaBlockImpl>()->attn->last_stats(layer++));
+    return stats;
+  }
+  const auto values = torch::stack(rows).to(torch::kCPU, torch::kDouble).contiguous();
+  for (int layer = 0; layer < static_cast<int>(rows.size()); ++layer) {
+    stats.push_back(nsa::NsaAttentionImpl::StatsFromValues(layer, values[layer].data_ptr<double>()));
   }
   return stats;
 }

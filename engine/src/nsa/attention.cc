@@ -37,18 +37,34 @@ int64_t GateHidden(const ModelConfig& config) {
   return std::max<int64_t>(1, int64_t{config.dim} / 4);
 }
 
-torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
+RopeTable MakeRopeTable(const torch::Tensor& positions, int64_t head_dim, double theta,
+                        torch::ScalarType acc) {
+  TORCH_CHECK(head_dim % 2 == 0, "RoPE needs an even head dim, got ", head_dim);
+  const int64_t half = head_dim / 2;
+  const auto opts = torch::TensorOptions().dtype(acc).device(positions.device());
+  const auto inv_freq = torch::pow(theta, torch::arange(half, opts) * (-2.0 / head_dim));  // [D/2]
+  const auto angles = positions.to(acc).unsqueeze(1) * inv_freq.unsqueeze(0);             // [T,D/2]
+  return {angles.cos(), angles.sin()};
+}
+
+torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTable& table) {
   const int64_t D = x.size(-1), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
-  const auto acc = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  const auto opts = torch::TensorOptions().dtype(acc).device(x.device());
-  const auto inv_freq = torch::pow(theta, torch::arange(half, opts) * (-2.0 / D));    // [D/2]
-  const auto angles = positions.to(acc).unsqueeze(1) * inv_freq.unsqueeze(0);          // [T,D/2]
-  const auto cos = angles.cos().view({1, -1, 1, half});
-  const auto sin = angles.sin().view({1, -1, 1, half});
-  const auto xf = x.to(acc);
+  TORCH_CHECK(x.dim() >= 3 && table.cos.size(0) == x.size(1) && table.cos.size(1) == half,
+              "rope table ", table.cos.sizes(), " does not fit x ", x.sizes());
+  // [T, D/2] -> [1, T, 1, ..., 1, D/2]: broadcast over batch and every dim between T and D.
+  std::vector<int64_t> shape(x.dim(), 1);
+  shape[1] = x.size(1);
+  shape.back() = half;
+  const auto cos = table.cos.view(shape), sin = table.sin.view(shape);
+  const auto xf = x.to(table.cos.scalar_type());
   const auto x1 = xf.narrow(-1, 0, half), x2 = xf.narrow(-1, half, half);
   return torch::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1).to(x.scalar_type());
+}
+
+torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
+  const auto acc = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  return ApplyRope(x, MakeRopeTable(positions.to(x.device()), x.size(-1), theta, acc));
 }
 
 NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend backend,
@@ -107,25 +123,45 @@ torch::Tensor NsaAttentionImpl::Compress(const torch::Tensor& tokens,
   return mlp->forward(with_position.reshape({B, N, G, l * D}));  // [B,N,G,D]
 }
 
+const NsaAttentionImpl::RopeCache& NsaAttentionImpl::Rope(int64_t seq_len,
+                                                          const torch::Device& device,
+                                                          torch::ScalarType acc) {
+  auto& c = rope_cache_;
+  if (c.seq_len != seq_len || c.device != device || c.acc != acc) {
+    torch::NoGradGuard no_grad;
+    const auto& g = geometry_;
+    // A compressed key stands for a whole block; it is rotated as if it were the block's last
+    // token, so q.k_cmp depends on the distance from the query to the end of the block.
+    const auto block_end = Positions(NumCmpBlocks(seq_len, g), device) * g.cmp_stride +
+                           (g.cmp_block - 1);
+    c.tokens = MakeRopeTable(Positions(seq_len, device), head_dim_, rope_theta_, acc);
+    c.blocks = MakeRopeTable(block_end, head_dim_, rope_theta_, acc);
+    c.seq_len = seq_len;
+    c.device = device;
+    c.acc = acc;
+  }
+  return c;
+}
+
 torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "NsaAttention expects [B,T,dim], got ", x.sizes());
   const int64_t B = x.size(0), T = x.size(1), H = heads_, G = groups_, D = head_dim_;
   const auto& g = geometry_;
-  const auto positions = Positions(T, x.device());
+  const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
-  const auto q = ApplyRope(q_proj_->forward(x).view({B, T, H, D}), positions, rope_theta_);
-  const auto kv = kv_proj_->forward(x).view({B, T, 6, G, D}).unbind(2);
-  const auto k_slc = ApplyRope(kv[2], positions, rope_theta_).contiguous();
-  const auto v_slc = kv[3].contiguous();
-  const auto k_win = ApplyRope(kv[4], positions, rope_theta_).contiguous();
-  const auto v_win = kv[5].contiguous();
-  // A compressed key stands for a whole block; it is rotated as if it were the block's last
-  // token, so q.k_cmp depends on the distance from the query to the end of the block.
-  const auto block_end = Positions(NumCmpBlocks(T, g), x.device()) * g.cmp_stride +
-                         (g.cmp_block - 1);
+  const auto q = ApplyRope(q_proj_->forward(x).view({B, T, H, D}), rope.tokens);
+  // [B,T,6,G,D] as three (key, value) pairs: the keys of the selected and window branches
+  // get one rope call together (rope is elementwise per position, so this equals two calls).
+  const auto kv = kv_proj_->forward(x).view({B, T, 3, 2, G, D});
+  const auto keys = ApplyRope(kv.select(3, 0).narrow(2, 1, 2), rope.tokens);  // [B,T,2,G,D]
+  const auto k_slc = keys.select(2, 0).contiguous();
+  const auto v_slc = kv.select(2, 1).select(2, 1).contiguous();
+  const auto k_win = keys.select(2, 1).contiguous();
+  const auto v_win = kv.select(2, 2).select(2, 1).contiguous();
   const auto k_cmp =
-      ApplyRope(Compress(kv[0], cmp_k_pos_, cmp_k_mlp_), block_end, rope_theta_).contiguous();
-  const auto v_cmp = Compress(kv[1], cmp_v_pos_, cmp_v_mlp_).contiguous();
+      ApplyRope(Compress(kv.select(2, 0).select(2, 0), cmp_k_pos_, cmp_k_mlp_), rope.blocks)
+          .contiguous();
+  const auto v_cmp = Compress(kv.select(2, 0).select(2, 1), cmp_v_pos_, cmp_v_mlp_).contiguous();
 
   const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
   const auto& block_idx = cmp.block_idx;
@@ -136,31 +172,39 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto mixed = gates.select(-1, 0).unsqueeze(-1) * cmp.out +
                      gates.select(-1, 1).unsqueeze(-1) * o_slc +
                      gates.select(-1, 2).unsqueeze(-1) * o_win;
-  RecordStats(gates, block_idx);
+  last_gates_ = gates.detach();
+  last_block_idx_ = block_idx.detach();
   return o_proj_->forward(mixed.reshape({B, T, H * D}));
 }
 
-void NsaAttentionImpl::RecordStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {
-  // Kept on the device (no sync on the training path); last_stats() copies them out.
+torch::Tensor NsaAttentionImpl::last_stats_tensor() const {
+  if (!last_gates_.defined()) return {};
   torch::NoGradGuard no_grad;
-  last_gates_ = gates.detach();
   const auto flat = last_gates_.to(torch::kFloat).reshape({-1, 3});
   const auto mean = flat.mean(0);
   const auto stddev = flat.std(0, /*unbiased=*/false);
-  const auto selected = (block_idx >= 0).sum(-1).to(torch::kFloat).mean().view({1});
-  last_stats_ = torch::cat({mean, stddev, selected});
+  const auto selected = (last_block_idx_ >= 0).sum(-1).to(torch::kFloat).mean().view({1});
+  return torch::cat({mean, stddev, selected});
 }
 
-LayerGateStats NsaAttentionImpl::last_stats(int layer) const {
+LayerGateStats NsaAttentionImpl::StatsFromValues(int layer, const double* v) {
   LayerGateStats stats;
   stats.layer = layer;
-  if (!last_stats_.defined()) return stats;
-  const auto s = last_stats_.to(torch::kCPU, torch::kDouble).contiguous();
-  const double* v = s.data_ptr<double>();
   stats.mean = {v[0], v[1], v[2]};
   stats.stddev = {v[3], v[4], v[5]};
   stats.mean_selected_blocks = v[6];
   return stats;
+}
+
+LayerGateStats NsaAttentionImpl::last_stats(int layer) const {
+  const auto t = last_stats_tensor();
+  if (!t.defined()) {
+    LayerGateStats stats;
+    stats.layer = layer;
+    return stats;
+  }
+  const auto s = t.to(torch::kCPU, torch::kDouble).contiguous();
+  return StatsFromValues(layer, s.data_ptr<double>());
 }
 
 }  // namespace nsad::nsa

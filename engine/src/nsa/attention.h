@@ -24,6 +24,16 @@ int64_t GateHidden(const ModelConfig& config);
 // given token positions [T]; computed in float32 (double for double inputs).
 torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta);
 
+// The cos/sin tables of ApplyRope for given positions, so that a module can compute them
+// once per sequence length instead of once per call. x may have any number of dims after
+// [B,T] (ApplyRope's result is the same for every layout of the trailing dims).
+struct RopeTable {
+  torch::Tensor cos, sin;  // [T, D/2] in the accumulation type (float32 or double)
+};
+RopeTable MakeRopeTable(const torch::Tensor& positions, int64_t head_dim, double theta,
+                        torch::ScalarType acc);
+torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTable& table);
+
 class NsaAttentionImpl : public torch::nn::Module {
  public:
   // out_proj_std: init std of the output projection (scaled down for deep residual stacks).
@@ -35,6 +45,10 @@ class NsaAttentionImpl : public torch::nn::Module {
   // Gate statistics of the most recent forward(): gates [B,T,H,3] (cmp, slc, win) and the
   // mean number of selected blocks per query. Syncs with the device; call sparingly.
   LayerGateStats last_stats(int layer) const;
+  // The same numbers as a [7] float32 tensor on the device (3 means, 3 stddevs, selected
+  // blocks), undefined before the first forward(); lets a caller copy all layers at once.
+  torch::Tensor last_stats_tensor() const;
+  static LayerGateStats StatsFromValues(int layer, const double* v);
   // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics).
   const torch::Tensor& last_gates() const { return last_gates_; }
 
@@ -42,7 +56,16 @@ class NsaAttentionImpl : public torch::nn::Module {
   // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
   torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
                          torch::nn::Sequential& mlp) const;
-  void RecordStats(const torch::Tensor& gates, const torch::Tensor& block_idx);
+  // The rope tables for T tokens and for the compressed blocks of T tokens, on `device`,
+  // computed on first use and kept while T, device and type stay the same (a training run
+  // uses one sequence length, so this saves ~12 small launches per layer and step).
+  struct RopeCache {
+    int64_t seq_len = -1;
+    torch::Device device = torch::kCPU;
+    torch::ScalarType acc = torch::kFloat;
+    RopeTable tokens, blocks;
+  };
+  const RopeCache& Rope(int64_t seq_len, const torch::Device& device, torch::ScalarType acc);
 
   Geometry geometry_;
   int64_t heads_, groups_, head_dim_;
@@ -59,8 +82,11 @@ class NsaAttentionImpl : public torch::nn::Module {
   torch::nn::Sequential cmp_k_mlp_{nullptr}, cmp_v_mlp_{nullptr};
   torch::nn::Sequential gate_mlp_{nullptr};
 
-  torch::Tensor last_gates_;      // [B,T,H,3], detached
-  torch::Tensor last_stats_;      // [7] on the device: 3 means, 3 stddevs, selected blocks
+  RopeCache rope_cache_;
+  // Of the most recent forward(), detached; last_stats() reduces them when asked, so the
+  // training path launches nothing for statistics.
+  torch::Tensor last_gates_;      // [B,T,H,3]
+  torch::Tensor last_block_idx_;  // [B,T,G,n] int32
 };
 TORCH_MODULE(NsaAttention);
 
