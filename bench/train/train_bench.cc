@@ -38,18 +38,6 @@ namespace {
 using nsad::AttentionBackend;
 using nsad::ModelConfig;
 
-ModelConfig M7c() {
-  ModelConfig c;
-  c.vocab_size = 50304;
-  c.dim = 768;
-  c.n_layers = 12;
-  c.n_heads = 12;
-  c.n_kv_groups = 2;
-  c.head_dim = 64;
-  c.nsa = {32, 16, 64, 16, 512};
-  return c;
-}
-
 // The dense baseline: same embedding, pre-norm blocks, SwiGLU width and untied head as the
 // NSA model, with one q/k/v projection and causal flash attention (GQA without expanding
 // K/V: SDPA's enable_gqa).
@@ -294,7 +282,7 @@ int main(int argc, char** argv) {
     std::printf("train_bench: no CUDA device; nothing measured\n");
     return 0;
   }
-  const ModelConfig config = M7c();
+  const ModelConfig config = nsad::M7cModelConfig();
   std::printf("m7c: dim %d, %d layers, %d heads, %d kv groups, head dim %d, seq %d, bf16 autocast, AdamW\n",
               config.dim, config.n_layers, config.n_heads, config.n_kv_groups, config.head_dim, seq);
   std::printf("%-14s %5s %12s %12s %12s\n", "variant", "batch", "params", "step_ms", "tok/s");

@@ -14,6 +14,17 @@ int EffectiveMlpHidden(const ModelConfig& model) {
   return (raw + 63) / 64 * 64;
 }
 
+ModelConfig M7cModelConfig() {
+  ModelConfig c;
+  c.vocab_size = 50304;
+  c.dim = 768;
+  c.n_layers = 12;
+  c.n_heads = 12;
+  c.n_kv_groups = 2;
+  c.head_dim = 64;
+  return c;
+}
+
 const char* ToString(AttentionBackend backend) {
   switch (backend) {
     case AttentionBackend::kAuto: return "auto";

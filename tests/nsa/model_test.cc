@@ -40,20 +40,10 @@ int64_t CountParameters(const torch::nn::Module& model) {
   return total;
 }
 
-ModelConfig M7c125m() {
-  ModelConfig c;
-  c.vocab_size = 50304;
-  c.dim = 768;
-  c.n_layers = 12;
-  c.n_heads = 12;
-  c.n_kv_groups = 2;
-  c.head_dim = 64;
-  return c;  // mlp_hidden 0 -> EffectiveMlpHidden = 2048; NSA defaults
-}
 
 TEST(NsaTransformer, M7c125mParameterCount) {
   torch::manual_seed(0);
-  const ModelConfig config = M7c125m();
+  const ModelConfig config = M7cModelConfig();  // mlp_hidden 2048, NSA defaults
   ASSERT_EQ(EffectiveMlpHidden(config), 2048);
   NsaTransformer model(config, AttentionBackend::kReference);
   const int64_t actual = CountParameters(*model);

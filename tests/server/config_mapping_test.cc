@@ -1,6 +1,9 @@
 // The proto <-> engine config mapping and validation: defaults, strict JSON, field names.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "config_mapping.h"
 #include "daemon_options.h"
 
@@ -173,6 +176,39 @@ TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {
   EXPECT_TRUE(plan.errors.empty());
   EXPECT_EQ(plan.device, "cuda:1");
   EXPECT_EQ(plan.backend, AttentionBackend::kReference) << "reference runs anywhere";
+}
+
+// The shipped config files parse strictly, validate (data paths aside), and m7c_125m.json
+// describes exactly the model the benchmarks and tests call m7c.
+TEST(ShippedConfigs, ParseAndM7cMatchesTheEngine) {
+  for (const std::string name : {"demo", "m7c_125m"}) {
+    std::ifstream in(std::string(NSAD_SOURCE_DIR) + "/configs/" + name + ".json");
+    ASSERT_TRUE(in) << name;
+    std::stringstream json;
+    json << in.rdbuf();
+    nsa::v1::RunConfig proto;
+    ASSERT_EQ(ParseRunConfigJson(json.str(), &proto), "") << name;
+    TrainConfig config = FromProto(proto);
+    config.data.train_path = "/";  // shards are not part of the repository
+    config.data.val_path = "";
+    EXPECT_EQ(FormatFieldErrors(ValidateConfig(config)), "") << name;
+    if (name != "m7c_125m") continue;
+    const ModelConfig m7c = M7cModelConfig();
+    EXPECT_EQ(config.model.vocab_size, m7c.vocab_size);
+    EXPECT_EQ(config.model.dim, m7c.dim);
+    EXPECT_EQ(config.model.n_layers, m7c.n_layers);
+    EXPECT_EQ(config.model.n_heads, m7c.n_heads);
+    EXPECT_EQ(config.model.n_kv_groups, m7c.n_kv_groups);
+    EXPECT_EQ(config.model.head_dim, m7c.head_dim);
+    EXPECT_EQ(EffectiveMlpHidden(config.model), EffectiveMlpHidden(m7c));
+    EXPECT_EQ(config.model.nsa.cmp_block, m7c.nsa.cmp_block);
+    EXPECT_EQ(config.model.nsa.cmp_stride, m7c.nsa.cmp_stride);
+    EXPECT_EQ(config.model.nsa.slc_block, m7c.nsa.slc_block);
+    EXPECT_EQ(config.model.nsa.slc_top_n, m7c.nsa.slc_top_n);
+    EXPECT_EQ(config.model.nsa.window, m7c.nsa.window);
+    EXPECT_EQ(config.seq_len, 2048);
+    EXPECT_EQ(config.dtype, "bfloat16");
+  }
 }
 
 TEST(DaemonOptions, ParsesBothFlagFormsAndRejectsUnknownOnes) {

@@ -31,6 +31,11 @@ struct ModelConfig {
   NsaConfig nsa;
 };
 
+// The reference model of the field reports, "m7c 125M": dim 768, 12 layers, 12 query heads,
+// 2 KV groups, head dim 64, GPT-2 vocabulary padded to 50304, NSA l=32 d=16 l'=64 n=16
+// w=512 (the defaults). configs/m7c_125m.json says the same (a test keeps them equal).
+ModelConfig M7cModelConfig();
+
 // SwiGLU hidden width: 8/3 * dim rounded up to a multiple of 64 unless set explicitly.
 int EffectiveMlpHidden(const ModelConfig& model);
 
