@@ -9,6 +9,7 @@
 #include <prometheus/gauge.h>
 #include <prometheus/registry.h>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
