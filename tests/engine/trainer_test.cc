@@ -104,5 +104,17 @@ TEST_F(TrainerTest, GradientAccumulationMatchesTheLargerBatch) {
   }
 }
 
+TEST_F(TrainerTest, ActivationCheckpointingTrainsTheSameWay) {
+  auto losses = [&](bool checkpointing) {
+    auto config = Tiny();
+    config.activation_checkpointing = checkpointing;
+    auto trainer = Trainer::Create(config);
+    std::vector<double> out;
+    for (int i = 0; i < 4; ++i) out.push_back(trainer->Step().loss);
+    return out;
+  };
+  EXPECT_EQ(losses(true), losses(false)) << "recomputation changes memory, not results";
+}
+
 }  // namespace
 }  // namespace nsad

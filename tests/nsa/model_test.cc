@@ -9,6 +9,7 @@
 
 #include "model/transformer.h"
 #include "nsa/attention.h"
+#include "nsa/dispatch.h"
 #include "test_util.h"
 
 namespace nsad {
@@ -183,6 +184,48 @@ TEST(NsaTransformer, TinyModelLearnsRepeatedPatterns) {
   std::cout << "repeated patterns: loss " << eval << " after " << steps
             << " steps (unigram baseline " << unigram << ")\n";
   EXPECT_LT(eval, 0.3 * unigram);  // the floor is ~1/8 (the first period is random)
+}
+
+// Activation checkpointing recomputes blocks in backward: the loss and every gradient are
+// the same as without it, also under bf16 autocast (the recomputation must see the autocast
+// state of the forward).
+TEST(NsaTransformer, ActivationCheckpointingGivesTheSameLossAndGradients) {
+  ModelConfig config = FinitenessConfig();
+  config.n_layers = 2;
+  for (const bool autocast : {false, true}) {
+    torch::manual_seed(11);
+    NsaTransformer model(config, AttentionBackend::kReference);
+    const auto tokens = torch::randint(config.vocab_size, {2, 97}, torch::kLong);
+    auto loss_and_grads = [&](bool checkpointing) {
+      model->set_activation_checkpointing(checkpointing);
+      model->zero_grad();
+      const int64_t layers_before = nsa::LayersExecuted(AttentionBackend::kReference);
+      at::autocast::set_autocast_enabled(at::kCPU, autocast);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      const auto logits = model->forward(tokens.narrow(1, 0, 96));
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+      auto loss = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, config.vocab_size}), tokens.narrow(1, 1, 96).reshape({-1}));
+      loss.backward();
+      // With checkpointing each block's forward runs again during backward.
+      EXPECT_EQ(nsa::LayersExecuted(AttentionBackend::kReference) - layers_before,
+                (checkpointing ? 2 : 1) * config.n_layers);
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      return std::make_pair(loss.item<double>(), grads);
+    };
+    const auto plain = loss_and_grads(false);
+    const auto recomputed = loss_and_grads(true);
+    EXPECT_EQ(plain.first, recomputed.first) << "autocast " << autocast;
+    ASSERT_EQ(plain.second.size(), recomputed.second.size());
+    for (size_t i = 0; i < plain.second.size(); ++i) {
+      ASSERT_TRUE(recomputed.second[i].defined()) << "parameter " << i << " got no gradient";
+      EXPECT_TRUE(torch::equal(plain.second[i], recomputed.second[i]))
+          << "parameter " << i << ", autocast " << autocast << ": max diff "
+          << (plain.second[i] - recomputed.second[i]).abs().max().item<double>();
+    }
+  }
 }
 
 }  // namespace

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include <ATen/autocast_mode.h>
+
 #include "nsa/attention.h"
 
 namespace nsad {
@@ -55,6 +57,55 @@ class NsaBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(NsaBlock);
 
+// Recomputes a block in the backward pass instead of keeping its activations, the
+// reentrant scheme of torch.utils.checkpoint: forward runs without autograd (as every
+// custom Function's forward does); backward re-runs the block with autograd under the
+// autocast state the forward saw (backward may run on another thread, and autocast state
+// is thread-local), back-propagates into the block's parameters (their .grad accumulate as
+// usual) and returns dL/dx. The block and the tap are owned by the model, which outlives
+// the graph; they travel as integers because saved_data holds IValues.
+class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               NsaBlockImpl* block, int64_t layer,
+                               const NsaTransformerImpl::Tap* tap) {
+    const auto device = x.device().type();
+    ctx->save_for_backward({x});
+    ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
+    ctx->saved_data["tap"] = reinterpret_cast<int64_t>(tap);
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(device);
+    ctx->saved_data["autocast_dtype"] =
+        static_cast<int64_t>(at::autocast::get_autocast_dtype(device));
+    return block->forward(x, static_cast<int>(layer), *tap);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    auto* block = reinterpret_cast<NsaBlockImpl*>(ctx->saved_data["block"].toInt());
+    const auto* tap =
+        reinterpret_cast<const NsaTransformerImpl::Tap*>(ctx->saved_data["tap"].toInt());
+    const auto device = x.device().type();
+    const bool autocast = ctx->saved_data["autocast"].toBool();
+    const bool previous = at::autocast::is_autocast_enabled(device);
+    const auto previous_dtype = at::autocast::get_autocast_dtype(device);
+    at::autocast::set_autocast_enabled(device, autocast);
+    at::autocast::set_autocast_dtype(
+        device, static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
+    torch::Tensor out;
+    {
+      torch::AutoGradMode grad(true);
+      out = block->forward(x, static_cast<int>(ctx->saved_data["layer"].toInt()), *tap);
+    }
+    at::autocast::set_autocast_enabled(device, previous);
+    at::autocast::set_autocast_dtype(device, previous_dtype);
+    if (autocast) at::autocast::clear_cache();
+    torch::autograd::backward({out}, {grad_outputs[0]});
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 NsaTransformerImpl::NsaTransformerImpl(const ModelConfig& config, AttentionBackend backend)
@@ -79,7 +130,14 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [B,T], got ", tokens.sizes());
   auto x = embed_->forward(tokens);
   int layer = 0;
-  for (const auto& block : *blocks_) x = block->as<NsaBlockImpl>()->forward(x, layer++, tap_);
+  const bool checkpoint = activation_checkpointing_ && is_training() &&
+                          torch::GradMode::is_enabled() && x.requires_grad();
+  for (const auto& block : *blocks_) {
+    auto* impl = block->as<NsaBlockImpl>();
+    x = checkpoint ? CheckpointedBlock::apply(x, impl, static_cast<int64_t>(layer), &tap_)
+                   : impl->forward(x, layer, tap_);
+    ++layer;
+  }
   x = final_norm_->forward(x);
   return torch::nn::functional::linear(x, embed_->weight).to(torch::kFloat);
 }

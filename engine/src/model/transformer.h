@@ -36,6 +36,10 @@ class NsaTransformerImpl : public torch::nn::Module {
   using Tap = std::function<torch::Tensor(int layer, const char* sublayer, torch::Tensor output)>;
   void set_tap(Tap tap) { tap_ = std::move(tap); }
 
+  // Activation checkpointing: blocks keep no activations for backward and are recomputed
+  // there instead (less memory, about one more forward of compute). Off by default.
+  void set_activation_checkpointing(bool on) { activation_checkpointing_ = on; }
+
  private:
   ModelConfig config_;
   AttentionBackend backend_;
@@ -44,6 +48,7 @@ class NsaTransformerImpl : public torch::nn::Module {
   RmsNorm final_norm_{nullptr};
   // No separate LM head matrix: logits = final_norm(x) @ embed_.weight^T (tied, GPT-2 style).
   Tap tap_;
+  bool activation_checkpointing_ = false;
 };
 TORCH_MODULE(NsaTransformer);
 

@@ -82,6 +82,7 @@ class TorchTrainer final : public Trainer {
         injector_(config.fault_injection) {
     torch::manual_seed(config_.seed);
     model_ = NsaTransformer(config_.model, runtime_.backend);
+    model_->set_activation_checkpointing(config_.activation_checkpointing);
     model_->to(device_);
     parameter_count_ = 0;
     std::vector<torch::Tensor> decay, no_decay;
