@@ -95,5 +95,28 @@ TEST_F(BackendTest, CudaAndReferenceTrainToTheSameLosses) {
   }
 }
 
+// Activation checkpointing on the GPU: the recomputation runs on autograd's device thread,
+// where the forward's bf16 autocast state must be restored. Same losses up to the kernels'
+// nondeterministic fp32 atomics in dK/dV.
+TEST_F(BackendTest, ActivationCheckpointingOnTheGpuTrainsTheSame) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  auto losses = [&](bool checkpointing) {
+    auto config = Tiny("cuda", AttentionBackend::kCuda);
+    config.activation_checkpointing = checkpointing;
+    auto trainer = Trainer::Create(config);
+    std::vector<double> out;
+    for (int i = 0; i < 4; ++i) out.push_back(trainer->Step().loss);
+    return out;
+  };
+  const int64_t before = nsa::LayersExecuted(AttentionBackend::kCuda);
+  const auto recomputed = losses(true);
+  EXPECT_EQ(nsa::LayersExecuted(AttentionBackend::kCuda) - before, 4 * 2 * 2)
+      << "4 steps x 2 layers, each forward run twice";
+  const auto plain = losses(false);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(recomputed[i], plain[i], 2e-3 * plain[i]) << "step " << i + 1;
+  }
+}
+
 }  // namespace
 }  // namespace nsad
