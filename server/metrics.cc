@@ -1,7 +1,5 @@
 #include "metrics.h"
 
-#include <prometheus/gauge.h>
-
 #include <exception>
 
 namespace nsad::server {

@@ -33,8 +33,6 @@ class Metrics {
   void RecordValLoss(const std::string& run_id, double loss);
   void RecordGates(const std::string& run_id, const GateReport& report);
 
-  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
-
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;

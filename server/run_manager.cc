@@ -82,7 +82,7 @@ RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory f
       factory_(std::move(factory)),
       checker_(std::move(checker)),
       options_(options) {
-  fs::create_directories(fs::path(state_dir_) / "runs");
+  fs::create_directories(RunsDir());
   LoadPersistedRuns();
 }
 
@@ -122,7 +122,7 @@ void RunManager::Shutdown() {
 }
 
 void RunManager::LoadPersistedRuns() {
-  for (const auto& entry : fs::directory_iterator(fs::path(state_dir_) / "runs")) {
+  for (const auto& entry : fs::directory_iterator(RunsDir())) {
     const fs::path file = entry.path() / "run.json";
     if (!fs::exists(file)) continue;
     std::ifstream in(file);
@@ -154,6 +154,10 @@ void RunManager::LoadPersistedRuns() {
   }
   if (!runs_.empty()) spdlog::info("loaded {} run records from {}", runs_.size(), state_dir_);
 }
+
+fs::path RunManager::RunsDir() const { return fs::path(state_dir_) / "runs"; }
+
+fs::path RunManager::RunDir(const std::string& run_id) const { return RunsDir() / run_id; }
 
 std::string RunManager::NextRunId() {
   char id[32];
@@ -201,7 +205,7 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   if (run->config.checkpoint_dir.empty()) {
     // Every run checkpoints into its own folder unless the config says otherwise.
     run->config.checkpoint_dir =
-        (fs::path(state_dir_) / "runs" / run->info.run_id() / "checkpoints").string();
+        (RunDir(run->info.run_id()) / "checkpoints").string();
   }
   config = run->config;
   {
@@ -211,7 +215,7 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     run->info.set_created_unix_ms(NowMs());
     run->info.mutable_progress()->set_max_steps(config.max_steps);
     run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
-    fs::create_directories(fs::path(state_dir_) / "runs" / run->info.run_id());
+    fs::create_directories(RunDir(run->info.run_id()));
     Transition(*run, nsa::v1::PENDING, "");
     *out = run->info;
   }
@@ -225,7 +229,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
   const std::string id = run->info.run_id();
   std::unique_ptr<Trainer> trainer;
   try {
-    trainer = factory_((fs::path(state_dir_) / "runs" / id).string(), run->config);
+    trainer = factory_(RunDir(id).string(), run->config);
   } catch (const ConfigError& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
     Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());
@@ -347,7 +351,7 @@ void RunManager::Persist(const Run& run) {
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = true;
   google::protobuf::util::MessageToJsonString(run.info, &json, options);
-  WriteFileAtomically(fs::path(state_dir_) / "runs" / run.info.run_id() / "run.json", json);
+  WriteFileAtomically(RunDir(run.info.run_id()) / "run.json", json);
 }
 
 std::shared_ptr<RunManager::Run> RunManager::Find(const std::string& run_id, grpc::Status* status) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <filesystem>
 #include <thread>
 
 #include "metrics.h"
@@ -64,6 +65,8 @@ class RunManager {
  private:
   struct Run;
 
+  std::filesystem::path RunsDir() const;                          // <state_dir>/runs
+  std::filesystem::path RunDir(const std::string& run_id) const;  // .../runs/<run_id>
   std::shared_ptr<Run> Find(const std::string& run_id, grpc::Status* status);
   std::string NextRunId();
   void LoadPersistedRuns();

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "../common/first_losses.h"
 #include "tiny_run.h"
 
 namespace nsad {
@@ -79,10 +80,7 @@ TEST_F(TrainerTest, SameSeedSameLossesOtherSeedOtherLosses) {
   auto run = [&](uint64_t seed) {
     auto config = Tiny();
     config.seed = seed;
-    auto trainer = Trainer::Create(config);
-    std::vector<double> losses;
-    for (int i = 0; i < 5; ++i) losses.push_back(trainer->Step().loss);
-    return losses;
+    return testing::FirstLosses(config, 5);
   };
   const auto a = run(7), b = run(7), c = run(8);
   EXPECT_EQ(a, b) << "same seed, same machine: bitwise identical";
@@ -108,10 +106,7 @@ TEST_F(TrainerTest, ActivationCheckpointingTrainsTheSameWay) {
   auto losses = [&](bool checkpointing) {
     auto config = Tiny();
     config.activation_checkpointing = checkpointing;
-    auto trainer = Trainer::Create(config);
-    std::vector<double> out;
-    for (int i = 0; i < 4; ++i) out.push_back(trainer->Step().loss);
-    return out;
+    return testing::FirstLosses(config, 4);
   };
   EXPECT_EQ(losses(true), losses(false)) << "recomputation changes memory, not results";
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include "../common/first_losses.h"
 #include "../common/temp_dir.h"
 #include "data/shard.h"
 #include "nsa/dispatch.h"
@@ -83,10 +84,7 @@ TEST_F(BackendTest, CudaAndReferenceTrainToTheSameLosses) {
   auto losses = [&](AttentionBackend backend) {
     auto config = Tiny("cuda", backend);
     config.dtype = "float32";  // compare the maths, not bf16 rounding
-    auto trainer = Trainer::Create(config);
-    std::vector<double> out;
-    for (int i = 0; i < 5; ++i) out.push_back(trainer->Step().loss);
-    return out;
+    return testing::FirstLosses(config, 5);
   };
   const auto reference = losses(AttentionBackend::kReference);
   const auto cuda = losses(AttentionBackend::kCuda);
@@ -103,10 +101,7 @@ TEST_F(BackendTest, ActivationCheckpointingOnTheGpuTrainsTheSame) {
   auto losses = [&](bool checkpointing) {
     auto config = Tiny("cuda", AttentionBackend::kCuda);
     config.activation_checkpointing = checkpointing;
-    auto trainer = Trainer::Create(config);
-    std::vector<double> out;
-    for (int i = 0; i < 4; ++i) out.push_back(trainer->Step().loss);
-    return out;
+    return testing::FirstLosses(config, 4);
   };
   const int64_t before = nsa::LayersExecuted(AttentionBackend::kCuda);
   const auto recomputed = losses(true);
