@@ -6,7 +6,8 @@
 #   its /metrics scraped -> train_bench (m7c tok/s, NSA vs dense flash, batch 1 and 16).
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-validate. On the lent machine carry
 # .device-deps and .kernel-deps (see scripts/gpu_check.sh).
-#   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30
+#   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30,
+#                                        BENCH_ARGS="--cuda-graphs 0,1 --torch-optim 1" (train_bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-/tmp/nsa-gpu-validate}}
@@ -78,7 +79,7 @@ cp "$state"/runs/*/worker.log "$logs/" 2>/dev/null
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "train_bench"
-  timeout 300 "$build/bench/train/train_bench" --batches 1,16 --steps 15 2>&1 | tee "$logs/train_bench.log"
+  timeout 300 "$build/bench/train/train_bench" --batches 1,16 --steps 15 ${BENCH_ARGS:-} 2>&1 | tee "$logs/train_bench.log"
 fi
 echo "== done, status $status"
 exit $status

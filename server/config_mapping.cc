@@ -81,6 +81,7 @@ TrainConfig FromProto(const nsa::v1::RunConfig& p) {
   NSAD_TAKE(p, c, checkpoint_dir);
   NSAD_TAKE(p, c, resume_from);
   NSAD_TAKE(p, c, activation_checkpointing);
+  NSAD_TAKE(p, c, cuda_graphs);
   NSAD_TAKE(p, c, nonfinite_policy);
   NSAD_TAKE(p, c, nonfinite_max_skips);
   const auto& pf = p.fault_injection();
@@ -143,6 +144,7 @@ nsa::v1::RunConfig ToProto(const TrainConfig& c) {
   p.set_checkpoint_dir(c.checkpoint_dir);
   p.set_resume_from(c.resume_from);
   p.set_activation_checkpointing(c.activation_checkpointing);
+  p.set_cuda_graphs(c.cuda_graphs);
   p.set_nonfinite_policy(c.nonfinite_policy);
   p.set_nonfinite_max_skips(c.nonfinite_max_skips);
   auto* f = p.mutable_fault_injection();

@@ -4,11 +4,17 @@
 //   nsa-reference  the same model on the plain-LibTorch reference (the oracle)
 //   dense-flash    a GPT of the same width/depth/heads/GQA/MLP with dense causal attention
 //                  through PyTorch's SDPA (FlashAttention), the baseline of the issue
-// at batch 1 and 16. Every variant runs the same loop: random tokens already on the GPU
-// (data loading is not measured), a warm-up, then the median of timed steps with CUDA
-// synchronisation around each step.
+// at batch 1 and 16. Every variant runs the trainer's step: the optimizer is the trainer's
+// (nsad::AdamW: decay on matrices, clipping at 1.0, found_inf skip, all on the device), and
+// the step ends with the trainer's one host read of loss and gradient norm. Random tokens
+// already on the GPU (data loading is not measured) are copied into the step's input, a
+// warm-up, then the median of timed steps with CUDA synchronisation around each step.
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
-//               [--breakdown 1] [--profile N]
+//               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--breakdown 1] [--profile N]
+// --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
+// trainer's cuda_graphs, trainer/step_graph.h); "0,1" measures each variant both ways
+// (rows "+graph"). --torch-optim 1 adds a row per variant with the trainer's previous
+// optimizer path (LibTorch's per-tensor AdamW and clip_grad_norm_, "+torchopt"), eager.
 // --breakdown 1 also times each phase (forward, backward, clip, optimizer) of the timed steps
 // twice: as the host enqueues it and with a device synchronisation after it. A phase whose
 // two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
@@ -26,12 +32,15 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "model/rms_norm.h"
 #include "model/transformer.h"
+#include "trainer/optimizer.h"
+#include "trainer/step_graph.h"
 
 namespace {
 
@@ -92,6 +101,8 @@ struct DenseGptImpl : torch::nn::Module {
 TORCH_MODULE(DenseGpt);
 
 struct Options {
+  bool cuda_graphs = false;
+  bool torch_optim = false;  // LibTorch's AdamW + clip_grad_norm_ (the trainer's path before)
   bool breakdown = false;
   int profile_top = 0;  // 0: no profile
 };
@@ -167,26 +178,28 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
   const torch::Device cuda(torch::kCUDA, 0);
   model->to(cuda);
   for (const auto& p : model->parameters()) r.parameters += p.numel();
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(6e-4).weight_decay(0.1));
+  nsad::OptimConfig optim;  // m7c's (configs/m7c_125m.json)
+  optim.lr = 6e-4f;
+  optim.weight_decay = 0.1f;
+  optim.grad_clip = 1.0f;
+  nsad::AdamW optimizer = nsad::AdamW::ForModel(model->parameters(), optim);
+  optimizer.SetLr(optim.lr);
+  std::optional<nsad::StepGraph> graph;
+  std::shared_ptr<void> stream;  // graphs: all steps on the graph's side stream
+  if (opt.cuda_graphs) {
+    graph.emplace(cuda);
+    stream = graph->UseStream();
+  }
   const auto tokens = torch::randint(vocab, {batch, seq + 1}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
-  const auto inputs = tokens.narrow(1, 0, seq), targets = tokens.narrow(1, 1, seq);
+  const auto batch_tokens = tokens.clone();  // the step's input buffer (static under a graph)
+  const auto inputs = batch_tokens.narrow(1, 0, seq), targets = batch_tokens.narrow(1, 1, seq);
   // Phase boundaries: with `sync` each phase ends with a device synchronisation and its time
   // lands in `phase_ms` (host enqueue time in `enqueue_ms`, taken before the sync).
   constexpr int kPhases = 4;
   const char* const phase_names[kPhases] = {"forward+loss", "backward", "clip_grad_norm", "adamw"};
   std::vector<double> phase_ms[kPhases], enqueue_ms[kPhases];
-  auto step = [&](bool sync) {
-    auto t0 = std::chrono::steady_clock::now();
-    int phase = 0;
-    auto mark = [&] {
-      if (!sync) return;
-      enqueue_ms[phase].push_back(MsSince(t0));
-      torch::cuda::synchronize();
-      phase_ms[phase].push_back(MsSince(t0));
-      ++phase;
-      t0 = std::chrono::steady_clock::now();
-    };
-    optimizer.zero_grad(true);
+  // The step's device work up to the [loss, grad norm] readout (what the graph captures).
+  auto body = [&](auto mark) {
     torch::Tensor logits;
     {
       at::autocast::set_autocast_enabled(at::kCUDA, true);
@@ -199,14 +212,79 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     mark();
     loss.backward();
     mark();
-    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    const auto loss_value = loss.detach().to(torch::kFloat64);
+    const auto norm = optimizer.ClipGradNorm(optim.grad_clip);
     mark();
-    optimizer.step();
+    optimizer.Step(nsad::AdamW::NonFiniteFlag(loss_value, norm));
     mark();
+    return torch::stack({loss_value, norm.to(torch::kFloat64)});
+  };
+  // The previous trainer step, for comparison: per-tensor LibTorch AdamW and
+  // clip_grad_norm_ (with its .item()), one optimizer over the same two groups.
+  std::unique_ptr<torch::optim::AdamW> legacy;
+  if (opt.torch_optim) {
+    std::vector<torch::Tensor> decay, no_decay;
+    for (const auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+    const auto options = torch::optim::AdamWOptions(optim.lr).betas({optim.beta1, optim.beta2}).eps(optim.eps);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                   torch::optim::AdamWOptions(options).weight_decay(optim.weight_decay)));
+    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                      torch::optim::AdamWOptions(options).weight_decay(0.0)));
+    legacy = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+  }
+  auto legacy_body = [&](auto mark) {
+    torch::Tensor logits;
+    {
+      at::autocast::set_autocast_enabled(at::kCUDA, true);
+      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+      logits = model->forward(inputs);
+      at::autocast::set_autocast_enabled(at::kCUDA, false);
+      at::autocast::clear_cache();
+    }
+    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat), targets.reshape({-1}));
+    mark();
+    loss.backward();
+    mark();
+    const double norm = torch::nn::utils::clip_grad_norm_(model->parameters(), optim.grad_clip);
+    mark();
+    legacy->step();
+    mark();
+    return torch::stack({loss.detach().to(torch::kFloat64), torch::tensor(norm, torch::kFloat64).to(cuda)});
+  };
+  auto step = [&](bool sync) {
+    auto t0 = std::chrono::steady_clock::now();
+    int phase = 0;
+    auto mark = [&] {
+      if (!sync) return;
+      enqueue_ms[phase].push_back(MsSince(t0));
+      torch::cuda::synchronize();
+      phase_ms[phase].push_back(MsSince(t0));
+      ++phase;
+      t0 = std::chrono::steady_clock::now();
+    };
+    batch_tokens.copy_(tokens);
+    optimizer.SetLr(optim.lr);
+    torch::Tensor readout;
+    if (opt.torch_optim) {
+      legacy->zero_grad(true);
+      readout = legacy_body(mark);
+    } else if (graph && graph->captured()) {
+      readout = graph->Replay();
+    } else {
+      optimizer.ZeroGrad();
+      readout = body(mark);
+    }
+    const auto host = readout.to(torch::kCPU);  // the trainer's one host read per step
+    (void)host;
   };
   const int warmup = 3;
   for (int i = 0; i < warmup; ++i) step(false);
   torch::cuda::synchronize();
+  if (graph) {
+    optimizer.ZeroGrad();  // the captured backward allocates the gradients in the graph's pool
+    graph->Capture([&] { return body([] {}); });
+  }
   std::vector<double> ms;
   for (int i = 0; i < steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -216,7 +294,7 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
   }
   r.median_ms = Median(ms);
   r.tokens_per_second = batch * seq / (r.median_ms / 1e3);
-  if (opt.breakdown) {
+  if (opt.breakdown && !graph) {
     for (int i = 0; i < steps; ++i) step(true);
     std::printf("  breakdown, batch %d (median ms; host = enqueue time before the sync):\n", batch);
     double total = 0;
@@ -227,7 +305,7 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     }
     std::printf("    %-16s %25.2f\n", "sum", total);
   }
-  if (opt.profile_top > 0) {
+  if (opt.profile_top > 0 && !graph) {
     torch::cuda::synchronize();
     using torch::profiler::impl::ProfilerConfig;
     using torch::profiler::impl::ProfilerState;
@@ -257,6 +335,8 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1, 16};
   int seq = 2048, steps = 20;
   std::vector<std::string> variants = {"nsa-cuda", "dense-flash", "nsa-reference"};
+  std::vector<bool> graph_modes = {false};
+  bool torch_optim = false;
   Options opt;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
@@ -269,6 +349,11 @@ int main(int argc, char** argv) {
       steps = std::stoi(value);
     } else if (flag == "--variants") {
       variants = Split(value);
+    } else if (flag == "--cuda-graphs") {
+      graph_modes.clear();
+      for (const auto& g : Split(value)) graph_modes.push_back(g != "0");
+    } else if (flag == "--torch-optim") {
+      torch_optim = value != "0";
     } else if (flag == "--breakdown") {
       opt.breakdown = value != "0";
     } else if (flag == "--profile") {
@@ -285,31 +370,42 @@ int main(int argc, char** argv) {
   const ModelConfig config = nsad::M7cModelConfig();
   std::printf("m7c: dim %d, %d layers, %d heads, %d kv groups, head dim %d, seq %d, bf16 autocast, AdamW\n",
               config.dim, config.n_layers, config.n_heads, config.n_kv_groups, config.head_dim, seq);
-  std::printf("%-14s %5s %12s %12s %12s\n", "variant", "batch", "params", "step_ms", "tok/s");
+  std::printf("%-24s %5s %12s %12s %12s\n", "variant", "batch", "params", "step_ms", "tok/s");
   for (int batch : batches) {
     for (const auto& variant : variants) {
-      Result r;
-      try {
-        torch::manual_seed(0);
-        if (variant == "dense-flash") {
-          r = Measure(DenseGpt(config), batch, seq, steps, config.vocab_size, opt);
-        } else {
-          const auto backend = variant == "nsa-cuda" ? AttentionBackend::kCuda : AttentionBackend::kReference;
-          r = Measure(nsad::NsaTransformer(config, backend), batch, seq,
-                      variant == "nsa-reference" ? std::min(steps, 5) : steps, config.vocab_size, opt);
+      // Modes: each --cuda-graphs value, then (--torch-optim 1) the previous optimizer path.
+      std::vector<std::pair<bool, bool>> modes;  // {graphs, torch_optim}
+      for (const bool graphs : graph_modes) modes.push_back({graphs, false});
+      if (torch_optim) modes.push_back({false, true});
+      for (const auto& [graphs, old_optim] : modes) {
+        Result r;
+        Options o = opt;
+        o.cuda_graphs = graphs;
+        o.torch_optim = old_optim;
+        try {
+          torch::manual_seed(0);
+          if (variant == "dense-flash") {
+            r = Measure(DenseGpt(config), batch, seq, steps, config.vocab_size, o);
+          } else {
+            const auto backend = variant == "nsa-cuda" ? AttentionBackend::kCuda : AttentionBackend::kReference;
+            r = Measure(nsad::NsaTransformer(config, backend), batch, seq,
+                        variant == "nsa-reference" ? std::min(steps, 5) : steps, config.vocab_size, o);
+          }
+        } catch (const std::exception& e) {
+          r.error = e.what();
+          r.error = r.error.substr(0, r.error.find('\n'));
         }
-      } catch (const std::exception& e) {
-        r.error = e.what();
-        r.error = r.error.substr(0, r.error.find('\n'));
+        torch::cuda::synchronize();
+        c10::cuda::CUDACachingAllocator::emptyCache();
+        const std::string name = variant + (graphs ? "+graph" : "") + (old_optim ? "+torchopt" : "");
+        if (!r.error.empty()) {
+          std::printf("%-24s %5d  error: %s\n", name.c_str(), batch, r.error.c_str());
+        } else {
+          std::printf("%-24s %5d %12lld %12.2f %12.0f\n", name.c_str(), batch,
+                      static_cast<long long>(r.parameters), r.median_ms, r.tokens_per_second);
+        }
+        std::fflush(stdout);
       }
-      c10::cuda::CUDACachingAllocator::emptyCache();
-      if (!r.error.empty()) {
-        std::printf("%-14s %5d  error: %s\n", variant.c_str(), batch, r.error.c_str());
-      } else {
-        std::printf("%-14s %5d %12lld %12.2f %12.0f\n", variant.c_str(), batch,
-                    static_cast<long long>(r.parameters), r.median_ms, r.tokens_per_second);
-      }
-      std::fflush(stdout);
     }
   }
   return 0;

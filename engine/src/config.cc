@@ -262,6 +262,12 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
       }
       break;
   }
+  if (config.cuda_graphs && plan.errors.empty() && plan.backend != AttentionBackend::kCuda) {
+    plan.errors.push_back({"cuda_graphs", std::string("needs a CUDA device and the CUDA attention backend, but "
+                                                      "the run uses the ") +
+                                              ToString(plan.backend) +
+                                          " backend on " + plan.device});
+  }
   return plan;
 }
 

@@ -113,5 +113,48 @@ TEST_F(BackendTest, ActivationCheckpointingOnTheGpuTrainsTheSame) {
   }
 }
 
+// The step captured in a CUDA graph trains like the eager step: two eager warm-up steps,
+// then the capture and replays. Replayed steps run no host code, so the dispatch counts
+// only the eager steps' and the capture's forwards.
+TEST_F(BackendTest, CudaGraphReplayTrainsLikeTheEagerStep) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  auto config = Tiny("cuda", AttentionBackend::kCuda);
+  const auto eager = testing::FirstLosses(config, 6);
+  config.cuda_graphs = true;
+  const int64_t before = nsa::LayersExecuted(AttentionBackend::kCuda);
+  const auto graphed = testing::FirstLosses(config, 6);
+  EXPECT_EQ(nsa::LayersExecuted(AttentionBackend::kCuda) - before, 3 * 2)
+      << "2 eager steps + the capture, x 2 layers; the replays launch no host code";
+  for (size_t i = 0; i < eager.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(graphed[i])) << "step " << i + 1;
+    EXPECT_NEAR(graphed[i], eager[i], 2e-3 * eager[i]) << "step " << i + 1;
+  }
+}
+
+// A non-finite step under CUDA graphs (the injected fault runs eagerly, on the graph's
+// stream) is skipped without touching the weights, and the replays go on afterwards.
+TEST_F(BackendTest, CudaGraphsSkipANonFiniteStepAndGoOn) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  auto config = Tiny("cuda", AttentionBackend::kCuda);
+  config.cuda_graphs = true;
+  config.allow_fault_injection = true;
+  config.fault_injection.nan_at_step = 5;
+  config.fault_injection.count = 1;
+  config.nonfinite_policy = "skip";
+  auto trainer = Trainer::Create(config);
+  for (int step = 1; step <= 8; ++step) {
+    const StepMetrics m = trainer->Step();
+    if (step == 5) {
+      EXPECT_FALSE(m.skipped_reason.empty());
+      EXPECT_EQ(m.skipped_steps, 1);
+    } else {
+      EXPECT_TRUE(m.skipped_reason.empty()) << "step " << step << ": " << m.skipped_reason;
+      EXPECT_TRUE(std::isfinite(m.loss)) << "step " << step;
+      EXPECT_TRUE(std::isfinite(m.grad_norm)) << "step " << step;
+    }
+  }
+  EXPECT_TRUE(std::isfinite(trainer->Evaluate()));
+}
+
 }  // namespace
 }  // namespace nsad

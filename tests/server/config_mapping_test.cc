@@ -178,6 +178,35 @@ TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {
   EXPECT_EQ(plan.backend, AttentionBackend::kReference) << "reference runs anywhere";
 }
 
+// cuda_graphs: strict JSON, shown in the effective config, and refused at StartRun (by
+// name) unless the run gets a CUDA device and the CUDA attention backend.
+TEST(RuntimePlan, CudaGraphsNeedTheCudaBackend) {
+  nsa::v1::RunConfig proto;
+  ASSERT_EQ(ParseRunConfigJson(R"({"cuda_graphs": true})", &proto), "");
+  TrainConfig config = FromProto(proto);
+  EXPECT_TRUE(config.cuda_graphs);
+  EXPECT_TRUE(ToProto(config).cuda_graphs());
+  EXPECT_FALSE(FromProto(nsa::v1::RunConfig()).cuda_graphs) << "off by default";
+  EXPECT_TRUE(ToProto(FromProto(nsa::v1::RunConfig())).has_cuda_graphs())
+      << "the effective config shows it";
+  EXPECT_NE(ParseRunConfigJson(R"({"cuda_graph": true})", &proto).find("cuda_graph"), std::string::npos)
+      << "strict: a misspelt field is refused by name";
+
+  const RuntimeCapabilities cpu_only{0, false};
+  const RuntimeCapabilities gpu{1, true};
+  EXPECT_TRUE(PlanRuntime(config, gpu).errors.empty());
+  auto plan = PlanRuntime(config, cpu_only);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "cuda_graphs");
+  EXPECT_NE(plan.errors[0].message.find("cpu"), std::string::npos) << plan.errors[0].message;
+  config.attention_backend = AttentionBackend::kReference;
+  plan = PlanRuntime(config, gpu);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "cuda_graphs");
+  config.cuda_graphs = false;
+  EXPECT_TRUE(PlanRuntime(config, cpu_only).errors.empty());
+}
+
 // The shipped config files parse strictly, validate (data paths aside), and m7c_125m.json
 // describes exactly the model the benchmarks and tests call m7c.
 TEST(ShippedConfigs, ParseAndM7cMatchesTheEngine) {

@@ -112,6 +112,10 @@ struct TrainConfig {
   // memory for about one more forward of compute. Off by default (the field reports
   // measured a large slowdown from a Python version of it).
   bool activation_checkpointing = false;
+  // Capture the training step in a CUDA graph after two eager warm-up steps and replay it
+  // (trainer/step_graph.h). CUDA device and CUDA attention backend only; steps with
+  // grad_accum > 1, activation checkpointing or an injected fault run eagerly.
+  bool cuda_graphs = false;
 };
 
 struct FieldError {

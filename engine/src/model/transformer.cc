@@ -142,23 +142,32 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   return torch::nn::functional::linear(x, embed_->weight).to(torch::kFloat);
 }
 
-std::vector<LayerGateStats> NsaTransformerImpl::last_gate_stats() const {
-  // One device-to-host copy for all layers (the trainer asks every step; a copy per layer
-  // would be a host sync per layer).
+torch::Tensor NsaTransformerImpl::last_gate_stats_tensor() const {
   std::vector<torch::Tensor> rows;
   for (const auto& block : *blocks_) rows.push_back(block->as<NsaBlockImpl>()->attn->last_stats_tensor());
   const bool all_defined =
       std::all_of(rows.begin(), rows.end(), [](const torch::Tensor& t) { return t.defined(); });
+  if (!all_defined || rows.empty()) return {};
+  return torch::stack(rows);
+}
+
+std::vector<LayerGateStats> NsaTransformerImpl::GateStatsFromValues(const torch::Tensor& values) {
+  const auto v = values.to(torch::kCPU, torch::kDouble).contiguous();
   std::vector<LayerGateStats> stats;
-  if (!all_defined || rows.empty()) {
-    int layer = 0;
-    for (const auto& block : *blocks_) stats.push_back(block->as<NsaBlockImpl>()->attn->last_stats(layer++));
-    return stats;
+  for (int layer = 0; layer < static_cast<int>(v.size(0)); ++layer) {
+    stats.push_back(nsa::NsaAttentionImpl::StatsFromValues(layer, v[layer].data_ptr<double>()));
   }
-  const auto values = torch::stack(rows).to(torch::kCPU, torch::kDouble).contiguous();
-  for (int layer = 0; layer < static_cast<int>(rows.size()); ++layer) {
-    stats.push_back(nsa::NsaAttentionImpl::StatsFromValues(layer, values[layer].data_ptr<double>()));
-  }
+  return stats;
+}
+
+std::vector<LayerGateStats> NsaTransformerImpl::last_gate_stats() const {
+  // One device-to-host copy for all layers (the trainer asks every step; a copy per layer
+  // would be a host sync per layer).
+  const auto values = last_gate_stats_tensor();
+  if (values.defined()) return GateStatsFromValues(values);
+  std::vector<LayerGateStats> stats;
+  int layer = 0;
+  for (const auto& block : *blocks_) stats.push_back(block->as<NsaBlockImpl>()->attn->last_stats(layer++));
   return stats;
 }
 

@@ -25,6 +25,12 @@ class NsaTransformerImpl : public torch::nn::Module {
   // Gate means/stddevs per branch and mean selected blocks per query, per layer, from the
   // most recent forward() (gathered without autograd).
   std::vector<LayerGateStats> last_gate_stats() const;
+  // The same in two halves, so that a caller can fold the device-to-host copy into one of its
+  // own (the trainer reads loss, gradient norm and these together, also under a CUDA graph):
+  // [n_layers, 7] float32 on the device (undefined before the first forward), and its host
+  // copy (any floating dtype) turned into stats.
+  torch::Tensor last_gate_stats_tensor() const;
+  static std::vector<LayerGateStats> GateStatsFromValues(const torch::Tensor& values);
 
   const ModelConfig& config() const { return config_; }
 

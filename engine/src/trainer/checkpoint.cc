@@ -97,7 +97,7 @@ int64_t ParseInt(const std::string& text, const std::string& what) {
 }  // namespace
 
 std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
-                           const torch::optim::Optimizer& optimizer, const ResumeState& state,
+                           const AdamW& optimizer, const ResumeState& state,
                            const torch::Device& device) {
   const std::string path = checkpoint::CommitCheckpoint(
       config.checkpoint_dir, state.step, [&](const std::string& dir) {
@@ -106,7 +106,7 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
           model.save(model_archive);
           model_archive.save_to(dir + "/" + kModelFile);
           torch::serialize::OutputArchive optimizer_archive;
-          optimizer.save(optimizer_archive);
+          optimizer.Save(optimizer_archive);
           optimizer_archive.save_to(dir + "/" + kOptimizerFile);
         } catch (const c10::Error& e) {
           throw checkpoint::CheckpointError(e.what_without_backtrace());
@@ -127,7 +127,7 @@ std::string ResolveResumeDir(const TrainConfig& config) {
 }
 
 ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
-                           torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                           torch::nn::Module& model, AdamW& optimizer,
                            const torch::Device& device) {
   try {
     checkpoint::VerifyCheckpoint(dir, {kModelFile, kOptimizerFile, kStateFile, kConfigFile});
@@ -163,7 +163,7 @@ ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
     file = dir + "/" + kOptimizerFile;
     torch::serialize::InputArchive optimizer_archive;
     optimizer_archive.load_from(file, device);
-    optimizer.load(optimizer_archive);
+    optimizer.Load(optimizer_archive);
     file = state_path;
     SetGeneratorState(torch::Device(torch::kCPU), Require(values, "rng.cpu", state_path));
     // A CPU checkpoint resumed on a GPU (or the reverse) keeps the seeded CUDA generator.

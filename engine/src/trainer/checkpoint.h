@@ -1,7 +1,8 @@
 // What a trainer checkpoint holds and how it is written and read back. A checkpoint taken
 // after step k lets a new trainer continue with step k+1 exactly as the original would have:
 //   model.pt   parameters and buffers (torch archive)
-//   optim.pt   AdamW moments and step counts (torch archive)
+//   optim.pt   AdamW moments and step counts (torch archive, AdamW::Save; checkpoints
+//              written with torch::optim::AdamW's archive load too)
 //   state      "key=value" lines: step, tokens seen, skipped steps, the data stream position
 //              (data::BatchLoader::SavePosition) and the torch RNG states (hex)
 //   config     the run's effective config (trainer/config_text.h)
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "nsad/config.h"
+#include "trainer/optimizer.h"
 
 namespace nsad {
 
@@ -29,7 +31,7 @@ struct ResumeState {
 // device, that device's RNG state. Returns the checkpoint's path; throws
 // checkpoint::CheckpointError.
 std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
-                           const torch::optim::Optimizer& optimizer, const ResumeState& state,
+                           const AdamW& optimizer, const ResumeState& state,
                            const torch::Device& device);
 
 // The checkpoint directory config.resume_from names ("latest" = the newest committed one in
@@ -41,7 +43,7 @@ std::string ResolveResumeDir(const TrainConfig& config);
 // optimizer onto `device` and restores the RNG states. Throws ConfigError on field
 // resume_from naming the file or the differing fields.
 ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
-                           torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                           torch::nn::Module& model, AdamW& optimizer,
                            const torch::Device& device);
 
 }  // namespace nsad

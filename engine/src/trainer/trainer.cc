@@ -16,7 +16,9 @@
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_store.h"
 #include "trainer/nonfinite.h"
+#include "trainer/optimizer.h"
 #include "trainer/runtime.h"
+#include "trainer/step_graph.h"
 
 namespace nsad {
 namespace {
@@ -85,20 +87,9 @@ class TorchTrainer final : public Trainer {
     model_->set_activation_checkpointing(config_.activation_checkpointing);
     model_->to(device_);
     parameter_count_ = 0;
-    std::vector<torch::Tensor> decay, no_decay;
-    for (const auto& p : model_->parameters()) {
-      parameter_count_ += p.numel();
-      // Weight decay only on matrices: norms' gains and biases are not decayed.
-      (p.dim() >= 2 ? decay : no_decay).push_back(p);
-    }
-    const auto& o = config_.optim;
-    auto options = torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps);
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                   torch::optim::AdamWOptions(options).weight_decay(o.weight_decay)));
-    groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                      torch::optim::AdamWOptions(options).weight_decay(0.0)));
-    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+    for (const auto& p : model_->parameters()) parameter_count_ += p.numel();
+    optimizer_ = std::make_unique<AdamW>(AdamW::ForModel(model_->parameters(), config_.optim));
+    if (config_.cuda_graphs) graph_ = std::make_unique<StepGraph>(device_);
     batches_ = std::make_unique<BatchSource>(config_, device_);
     if (!config_.checkpoint_dir.empty()) {
       checkpoint::RemoveIncompleteCheckpoints(config_.checkpoint_dir);
@@ -111,37 +102,28 @@ class TorchTrainer final : public Trainer {
     model_->train();
     const int64_t this_step = step_ + 1;
     const double lr = ScheduledLr(config_.optim, step_, config_.max_steps);
-    for (auto& group : optimizer_->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    }
-    optimizer_->zero_grad(/*set_to_none=*/true);
-
     const bool inject = injector_.ActiveAt(this_step);
+    // With CUDA graphs every step runs on the graph's side stream, the eager ones included.
+    const std::shared_ptr<void> stream = graph_ ? graph_->UseStream() : nullptr;
+    optimizer_->SetLr(lr);
+
     std::vector<torch::Tensor> batches;
-    double loss_sum = 0.0;
-    {
-      std::optional<TapScope> tap;
-      if (inject) {
-        tap.emplace(model_, [this](int layer, const char* sublayer, torch::Tensor output) {
-          return injector_.Apply(layer, sublayer, std::move(output));
-        });
-      }
-      for (int micro = 0; micro < config_.grad_accum; ++micro) {
-        batches.push_back(batches_->NextTrain(this_step));  // [B, T+1] int64
-        torch::Tensor loss = Loss(Logits(batches.back()), batches.back(), inject) / config_.grad_accum;
-        loss.backward();
-        loss_sum += loss.detach().item<double>();
-      }
+    torch::Tensor readout;  // [loss, grad_norm] as float64 on the device
+    if (Replayable(inject)) {
+      batches.push_back(batches_->NextTrain(this_step));  // [B, T+1] int64
+      readout = ReplayStep(batches.back());
+    } else {
+      readout = EagerStep(this_step, inject, batches);
+      if (graph_ && !inject) ++eager_graph_steps_;
     }
-    const double max_norm = config_.optim.grad_clip > 0 ? config_.optim.grad_clip
-                                                        : std::numeric_limits<double>::infinity();
-    // Clipping scales the gradients by a non-finite factor when the norm is not finite;
-    // harmless, as such a step never reaches optimizer_->step().
-    const double grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), max_norm);
+    // The step's one read of the device; a non-finite loss or norm has already made the
+    // optimizer skip its update on the device (found_inf).
+    const auto host = readout.to(torch::kCPU);
+    const double loss_sum = host[0].item<double>();
+    const double grad_norm = host[1].item<double>();
     if (!std::isfinite(loss_sum) || !std::isfinite(grad_norm)) {
       return NonFiniteStep(this_step, loss_sum, grad_norm, lr, batches, inject);
     }
-    optimizer_->step();
     ++step_;
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
     const double seconds =
@@ -159,7 +141,9 @@ class TorchTrainer final : public Trainer {
     m.tokens_per_second = seconds > 0 ? tokens / seconds : 0.0;
     m.skipped_steps = skipped_steps_;
     gates_.step = step_;
-    gates_.layers = model_->last_gate_stats();
+    gates_.layers = host.numel() > 2 ? NsaTransformerImpl::GateStatsFromValues(
+                                           host.narrow(0, 2, host.numel() - 2).view({-1, 7}))
+                                     : model_->last_gate_stats();
     if (CheckpointDue(step_)) {
       m.checkpoint = SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_);
       last_checkpoint_ = m.checkpoint;
@@ -201,6 +185,61 @@ class TorchTrainer final : public Trainer {
     return inject ? injector_.ApplyToLoss(loss) : loss;
   }
 
+  // Forward and backward of every micro-batch, then the optimizer on the device.
+  torch::Tensor EagerStep(int64_t this_step, bool inject, std::vector<torch::Tensor>& batches) {
+    optimizer_->ZeroGrad();
+    torch::Tensor loss_sum;
+    std::optional<TapScope> tap;
+    if (inject) {
+      tap.emplace(model_, [this](int layer, const char* sublayer, torch::Tensor output) {
+        return injector_.Apply(layer, sublayer, std::move(output));
+      });
+    }
+    for (int micro = 0; micro < config_.grad_accum; ++micro) {
+      batches.push_back(batches_->NextTrain(this_step));  // [B, T+1] int64
+      torch::Tensor loss = Loss(Logits(batches.back()), batches.back(), inject) / config_.grad_accum;
+      loss.backward();
+      const auto value = loss.detach().to(torch::kFloat64);
+      loss_sum = loss_sum.defined() ? loss_sum + value : value;
+    }
+    return ClipAndUpdate(loss_sum);
+  }
+
+  // Clipping and AdamW, skipped on the device when the loss or the norm is not finite.
+  // Returns what the host reads after the step, in one tensor: [loss, grad_norm, the gate
+  // statistics of the last forward (n_layers x 7)] as float64.
+  torch::Tensor ClipAndUpdate(const torch::Tensor& loss_sum) {
+    const auto grad_norm = optimizer_->ClipGradNorm(config_.optim.grad_clip);
+    optimizer_->Step(AdamW::NonFiniteFlag(loss_sum, grad_norm));
+    std::vector<torch::Tensor> parts = {loss_sum.reshape({1}), grad_norm.to(torch::kFloat64).reshape({1})};
+    const auto gates = model_->last_gate_stats_tensor();
+    if (gates.defined()) parts.push_back(gates.detach().to(torch::kFloat64).flatten());
+    return torch::cat(parts);
+  }
+
+  // The graph holds one micro-batch of one shape and no fault-injection tap; activation
+  // checkpointing's recompute inside backward is not captured either.
+  bool Replayable(bool inject) const {
+    return graph_ && !inject && config_.grad_accum == 1 && !config_.activation_checkpointing &&
+           (graph_->captured() || eager_graph_steps_ >= kGraphWarmupSteps);
+  }
+
+  // Copies the batch into the graph's input and replays the step (capturing it first).
+  torch::Tensor ReplayStep(const torch::Tensor& batch) {
+    if (!graph_->captured()) {
+      static_batch_ = batch.clone();
+      optimizer_->ZeroGrad();  // the captured backward allocates the gradients in its pool
+      graph_->Capture([this] {
+        torch::Tensor loss = Loss(Logits(static_batch_), static_batch_, false) / config_.grad_accum;
+        loss.backward();
+        return ClipAndUpdate(loss.detach().to(torch::kFloat64));
+      });
+    } else {
+      static_batch_.copy_(batch);
+    }
+    return graph_->Replay();
+  }
+
   int64_t TokensPerStep() const {
     return static_cast<int64_t>(config_.batch_size) * config_.seq_len * config_.grad_accum;
   }
@@ -209,7 +248,7 @@ class TorchTrainer final : public Trainer {
   // run halts. Either way the report says what was non-finite and where it appeared first.
   StepMetrics NonFiniteStep(int64_t this_step, double loss, double grad_norm, double lr,
                             const std::vector<torch::Tensor>& batches, bool inject) {
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    optimizer_->ZeroGrad();
     const std::string what = !std::isfinite(loss)
                                  ? "non-finite loss (" + FormatNumber(loss) + ")"
                                  : "non-finite gradient norm (" + FormatNumber(grad_norm) + ")";
@@ -253,7 +292,7 @@ class TorchTrainer final : public Trainer {
         return probe.Observe(layer, sublayer, std::move(output));
       });
       for (size_t micro = 0; micro < batches.size() && first.empty(); ++micro) {
-        optimizer_->zero_grad(/*set_to_none=*/true);
+        optimizer_->ZeroGrad();
         const auto logits = Logits(batches[micro]);
         probe.ObserveForward("logits", logits);
         const auto loss = Loss(logits, batches[micro], inject);
@@ -266,7 +305,7 @@ class TorchTrainer final : public Trainer {
         }
       }
     }
-    optimizer_->zero_grad(/*set_to_none=*/true);
+    optimizer_->ZeroGrad();
     return first.empty() ? "none when the step was re-run with checks (not reproducible)" : first;
   }
 
@@ -306,7 +345,13 @@ class TorchTrainer final : public Trainer {
   torch::Device device_;
   FaultInjector injector_;
   NsaTransformer model_{nullptr};
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<AdamW> optimizer_;
+  // CUDA graphs (config.cuda_graphs): the step is captured after kGraphWarmupSteps eager
+  // steps on the graph's stream (lazy initialisation: cuBLAS workspaces, RoPE tables).
+  static constexpr int kGraphWarmupSteps = 2;
+  std::unique_ptr<StepGraph> graph_;
+  int eager_graph_steps_ = 0;
+  torch::Tensor static_batch_;
   std::unique_ptr<BatchSource> batches_;
   int64_t step_ = 0;
   int64_t tokens_seen_ = 0;

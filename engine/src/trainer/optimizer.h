@@ -1,0 +1,83 @@
+// The training step's optimizer: AdamW with decoupled weight decay on two groups (decay on
+// matrices, none on norms' gains and biases) and gradient-norm clipping, used by the trainer
+// and by bench/train/train_bench so that the bench measures the trainer's path.
+//
+// On CUDA everything stays on the device and launches a handful of multi-tensor kernels
+// instead of ~13 per parameter tensor (the m7c NSA model has 266): the total norm through
+// _foreach_norm, the clip through _foreach_mul_ with a device coefficient, the update through
+// ATen's fused AdamW kernel reading the learning rate from a device tensor. Nothing reads
+// the device from the host, so a whole training step can be captured in a CUDA graph. A
+// step is skipped on the device through `found_inf` (a float 0/1 scalar on the device): the
+// fused kernel then leaves weights and moments untouched and the step counts stay.
+//
+// On the CPU the same AdamW and clipping maths run per tensor, exactly as LibTorch's
+// torch::optim::AdamW and clip_grad_norm_ compute them (bit-for-bit: the CPU tests compare
+// trajectories), and the skip decision is read on the host (free on the CPU).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "nsad/config.h"
+
+namespace nsad {
+
+class AdamW {
+ public:
+  // `decay` get optim.weight_decay, `no_decay` none. Moments and step counts are allocated
+  // now (zeros), so their addresses never change (CUDA graph replay relies on that).
+  AdamW(std::vector<torch::Tensor> decay, std::vector<torch::Tensor> no_decay,
+        const OptimConfig& config);
+
+  // Weight decay only on matrices (dim >= 2), as the trainer groups them.
+  static AdamW ForModel(const std::vector<torch::Tensor>& parameters, const OptimConfig& config);
+
+  // The learning rate of the next Step(). On CUDA it lives in a device tensor, written by a
+  // kernel on the current stream (no host sync), so a replayed graph reads the new value.
+  void SetLr(double lr);
+
+  // Scales all gradients by min(1, max_norm / (norm + 1e-6)) (max_norm <= 0: no clipping)
+  // and returns the total L2 norm as a float32 0-dim tensor on the parameters' device. No
+  // host sync. A non-finite norm makes the gradients non-finite; such a step must be
+  // skipped (found_inf).
+  torch::Tensor ClipGradNorm(double max_norm);
+
+  // float32 0-dim tensor on the device: 1 if `loss` or `grad_norm` is not finite, else 0.
+  static torch::Tensor NonFiniteFlag(const torch::Tensor& loss, const torch::Tensor& grad_norm);
+
+  // One AdamW update of every parameter with a gradient; none at all if `found_inf` (see
+  // NonFiniteFlag; undefined = never skip) is 1: weights, moments and step counts keep
+  // their values.
+  void Step(const torch::Tensor& found_inf = {});
+
+  void ZeroGrad();  // sets gradients to none
+
+  void Save(torch::serialize::OutputArchive& archive) const;
+  // Reads what Save wrote, or the archive of a torch::optim::AdamW over the same two groups
+  // (the optimizer of checkpoints before this class). Copies into the existing state.
+  void Load(torch::serialize::InputArchive& archive);
+
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
+
+ private:
+  struct Group {
+    size_t begin = 0, end = 0;  // range in params_
+    double weight_decay = 0;
+  };
+
+  void StepFused(const torch::Tensor& found_inf);
+  void StepPerTensor(const Group& group, size_t i);
+
+  std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;
+  // CUDA: float32 0-dim device tensors (what the fused kernel reads). CPU: unused; counts in
+  // cpu_steps_ (LibTorch's AdamW counts steps as integers; the bias correction uses them).
+  std::vector<torch::Tensor> steps_;
+  std::vector<int64_t> cpu_steps_;
+  Group groups_[2];
+  double lr_ = 0, beta1_ = 0, beta2_ = 0, eps_ = 0;
+  torch::Tensor lr_tensor_;  // CUDA only
+  bool fused_ = false;
+};
+
+}  // namespace nsad

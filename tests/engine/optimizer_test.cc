@@ -1,0 +1,212 @@
+// nsad::AdamW (trainer/optimizer.h): on the CPU it must compute exactly what LibTorch's
+// torch::optim::AdamW and clip_grad_norm_ computed before it (the trajectory and resume
+// tests rely on that), skip a flagged step without touching anything, and save/load its
+// state, including the archives torch::optim::AdamW wrote. On a GPU the fused path must
+// agree with the CPU path within float tolerance.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "nsad/engine.h"
+#include "trainer/optimizer.h"
+
+namespace nsad {
+namespace {
+
+OptimConfig Optim() {
+  OptimConfig o;
+  o.lr = 1e-2f;
+  o.weight_decay = 0.1f;
+  o.beta1 = 0.9f;
+  o.beta2 = 0.95f;
+  o.eps = 1e-8f;
+  o.grad_clip = 0.5f;
+  return o;
+}
+
+// A matrix, a vector and a 3-d tensor: two groups (decay on dim >= 2).
+std::vector<torch::Tensor> Params(const torch::Device& device) {
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> params = {torch::randn({5, 4}), torch::randn({4}), torch::randn({2, 3, 2})};
+  for (auto& p : params) p = p.to(device).requires_grad_(true);
+  return params;
+}
+
+std::vector<torch::Tensor> Clones(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().requires_grad_(true));
+  return out;
+}
+
+void SetGrads(std::vector<torch::Tensor>& params, int step) {
+  torch::manual_seed(100 + step);
+  for (auto& p : params) p.mutable_grad() = torch::randn_like(p) * (step + 1);
+}
+
+std::vector<double> Lrs() { return {1e-2, 8e-3, 5e-3, 3e-3, 1e-3}; }
+
+TEST(AdamWTest, CpuMatchesLibTorchAdamWAndClippingBitForBit) {
+  const auto o = Optim();
+  auto ours = Params(torch::kCPU);
+  auto theirs = Clones(ours);
+  AdamW optimizer = AdamW::ForModel(ours, o);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{theirs[0], theirs[2]},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay)));
+  groups.emplace_back(std::vector<torch::Tensor>{theirs[1]},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0.0)));
+  torch::optim::AdamW reference(std::move(groups), torch::optim::AdamWOptions(o.lr));
+  for (int step = 0; step < 5; ++step) {
+    SetGrads(ours, step);
+    SetGrads(theirs, step);
+    optimizer.SetLr(Lrs()[step]);
+    for (auto& g : reference.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(g.options()).lr(Lrs()[step]);
+    }
+    const double norm = optimizer.ClipGradNorm(o.grad_clip).item<double>();
+    const double reference_norm = torch::nn::utils::clip_grad_norm_(theirs, o.grad_clip);
+    EXPECT_EQ(norm, reference_norm) << "step " << step;
+    optimizer.Step(AdamW::NonFiniteFlag(torch::tensor(1.0), torch::tensor(norm)));
+    reference.step();
+    for (size_t i = 0; i < ours.size(); ++i) {
+      EXPECT_TRUE(torch::equal(ours[i], theirs[i])) << "step " << step << " parameter " << i;
+    }
+  }
+}
+
+TEST(AdamWTest, AFlaggedStepLeavesWeightsMomentsAndStepCountsAlone) {
+  auto params = Params(torch::kCPU);
+  auto twin = Clones(params);
+  AdamW optimizer = AdamW::ForModel(params, Optim());
+  AdamW plain = AdamW::ForModel(twin, Optim());
+  SetGrads(params, 0);
+  SetGrads(twin, 0);
+  optimizer.Step();
+  plain.Step();
+  // A NaN gradient under a NaN norm: flagged, so nothing may change.
+  const auto before = Clones(params);
+  SetGrads(params, 1);
+  params[0].mutable_grad()[0][0] = std::numeric_limits<float>::quiet_NaN();
+  const auto norm = optimizer.ClipGradNorm(1.0);
+  EXPECT_TRUE(std::isnan(norm.item<double>()));
+  const auto flag = AdamW::NonFiniteFlag(torch::tensor(2.0), norm);
+  EXPECT_EQ(flag.item<float>(), 1.0f);
+  optimizer.Step(flag);
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i]));
+  // The next step matches an optimizer that never saw the skipped one (same moments, same
+  // bias correction).
+  SetGrads(params, 2);
+  SetGrads(twin, 2);
+  optimizer.Step(AdamW::NonFiniteFlag(torch::tensor(2.0), torch::tensor(1.0)));
+  plain.Step();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], twin[i])) << i;
+  // A non-finite loss alone flags the step too.
+  EXPECT_EQ(AdamW::NonFiniteFlag(torch::tensor(std::numeric_limits<double>::infinity()),
+                                 torch::tensor(1.0)).item<float>(), 1.0f);
+}
+
+// Save/Load (and loading a torch::optim::AdamW archive, the format of older checkpoints)
+// continue exactly.
+TEST(AdamWTest, SavedStateAndLibTorchArchivesResumeExactly) {
+  const auto o = Optim();
+  auto params = Params(torch::kCPU);
+  AdamW optimizer = AdamW::ForModel(params, o);
+  for (int step = 0; step < 2; ++step) {
+    SetGrads(params, step);
+    optimizer.Step();
+  }
+  torch::serialize::OutputArchive out;
+  optimizer.Save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  auto resumed_params = Clones(params);
+  AdamW resumed = AdamW::ForModel(resumed_params, o);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes);
+  resumed.Load(in);
+  SetGrads(params, 2);
+  SetGrads(resumed_params, 2);
+  optimizer.Step();
+  resumed.Step();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], resumed_params[i]));
+
+  // torch::optim::AdamW over the same groups, two steps, saved; ours loads and continues.
+  auto legacy_params = Params(torch::kCPU);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  const auto options = torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps);
+  groups.emplace_back(std::vector<torch::Tensor>{legacy_params[0], legacy_params[2]},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(options).weight_decay(o.weight_decay)));
+  groups.emplace_back(std::vector<torch::Tensor>{legacy_params[1]},
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(options).weight_decay(0.0)));
+  torch::optim::AdamW legacy(std::move(groups), options);
+  for (int step = 0; step < 2; ++step) {
+    SetGrads(legacy_params, step);
+    legacy.step();
+  }
+  torch::serialize::OutputArchive legacy_out;
+  legacy.save(legacy_out);
+  std::ostringstream legacy_bytes;
+  legacy_out.save_to(legacy_bytes);
+  auto loaded_params = Clones(legacy_params);
+  AdamW loaded = AdamW::ForModel(loaded_params, o);
+  std::istringstream legacy_in_bytes(legacy_bytes.str());
+  torch::serialize::InputArchive legacy_in;
+  legacy_in.load_from(legacy_in_bytes);
+  loaded.Load(legacy_in);
+  SetGrads(legacy_params, 2);
+  SetGrads(loaded_params, 2);
+  legacy.step();
+  loaded.Step();
+  for (size_t i = 0; i < legacy_params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(legacy_params[i], loaded_params[i])) << i;
+  }
+}
+
+// The fused CUDA path: same trajectory as the CPU path within float tolerance, and a
+// flagged step skipped on the device (weights and step counts stay).
+TEST(AdamWTest, FusedCudaPathAgreesWithTheCpuPathAndSkipsOnTheDevice) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto o = Optim();
+  auto cpu = Params(torch::kCPU);
+  std::vector<torch::Tensor> gpu;
+  for (const auto& p : cpu) gpu.push_back(p.detach().to(cuda).requires_grad_(true));
+  AdamW on_cpu = AdamW::ForModel(cpu, o);
+  AdamW on_gpu = AdamW::ForModel(gpu, o);
+  for (int step = 0; step < 5; ++step) {
+    SetGrads(cpu, step);
+    for (size_t i = 0; i < cpu.size(); ++i) gpu[i].mutable_grad() = cpu[i].grad().to(cuda);
+    on_cpu.SetLr(Lrs()[step]);
+    on_gpu.SetLr(Lrs()[step]);
+    const auto cpu_norm = on_cpu.ClipGradNorm(o.grad_clip);
+    const auto gpu_norm = on_gpu.ClipGradNorm(o.grad_clip);
+    EXPECT_NEAR(gpu_norm.item<double>(), cpu_norm.item<double>(), 1e-5 * cpu_norm.item<double>());
+    on_cpu.Step(AdamW::NonFiniteFlag(torch::tensor(1.0), cpu_norm));
+    on_gpu.Step(AdamW::NonFiniteFlag(torch::tensor(1.0, torch::TensorOptions().device(cuda)), gpu_norm));
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(gpu[i].cpu(), cpu[i], 1e-5, 1e-6)) << "step " << step << " parameter " << i;
+    }
+  }
+  const auto before = Clones(gpu);
+  for (auto& p : gpu) p.mutable_grad() = torch::full_like(p, std::numeric_limits<float>::quiet_NaN());
+  const auto norm = on_gpu.ClipGradNorm(o.grad_clip);
+  on_gpu.Step(AdamW::NonFiniteFlag(torch::tensor(1.0, torch::TensorOptions().device(cuda)), norm));
+  for (size_t i = 0; i < gpu.size(); ++i) EXPECT_TRUE(torch::equal(gpu[i], before[i])) << i;
+  // Step counts did not advance: the next step still matches the CPU path, which never saw
+  // the flagged step.
+  SetGrads(cpu, 5);
+  for (size_t i = 0; i < cpu.size(); ++i) gpu[i].mutable_grad() = cpu[i].grad().to(cuda);
+  on_cpu.Step();
+  on_gpu.Step();
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(gpu[i].cpu(), cpu[i], 1e-5, 1e-6)) << "parameter " << i;
+  }
+}
+
+}  // namespace
+}  // namespace nsad
