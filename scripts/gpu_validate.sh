@@ -7,7 +7,8 @@
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-validate. On the lent machine carry
 # .device-deps and .kernel-deps (see scripts/gpu_check.sh).
 #   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30,
-#                                        BENCH_ARGS="--cuda-graphs 0,1 --torch-optim 1" (train_bench)
+#                                        BENCH_ARGS="--cuda-graphs 0,1 --torch-optim 1" (train_bench),
+#                                        GPU_TESTS="runtime/backend_test engine/trainer_test"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-/tmp/nsa-gpu-validate}}
@@ -34,7 +35,7 @@ if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_B
 fi
 
 step "GPU tests"
-for t in runtime/backend_test engine/trainer_test kernels/kernels_test; do
+for t in ${GPU_TESTS:-runtime/backend_test engine/trainer_test kernels/kernels_test}; do
   timeout 300 "$build/tests/$t" > "$logs/$(basename $t).log" 2>&1
   rc=$?
   echo "$t: exit $rc, $(grep -E '^\[  PASSED|^\[  FAILED|SKIPPED \] [0-9]' "$logs/$(basename $t).log" | tr '\n' ' ')"
