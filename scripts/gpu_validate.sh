@@ -7,7 +7,7 @@
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-validate. On the lent machine carry
 # .device-deps and .kernel-deps (see scripts/gpu_check.sh).
 #   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30,
-#                                        BENCH_ARGS="--cuda-graphs 0,1 --torch-optim 1" (train_bench),
+#                                        BENCH_ARGS="--torch-optim 1 --variants nsa-cuda" (train_bench),
 #                                        GPU_TESTS="runtime/backend_test engine/trainer_test"
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,7 @@
 // The training loop behind nsad::Trainer: model, AdamW, schedule, autocast, clipping,
 // non-finite guard (skip or halt, with localisation), checkpoints and exact resume,
-// throughput and gate statistics.
+// throughput and gate statistics; optionally the step replayed from a CUDA graph. A step
+// reads the device once, after its update: loss, gradient norm and gate statistics.
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -108,7 +109,7 @@ class TorchTrainer final : public Trainer {
     optimizer_->SetLr(lr);
 
     std::vector<torch::Tensor> batches;
-    torch::Tensor readout;  // [loss, grad_norm] as float64 on the device
+    torch::Tensor readout;  // [loss, grad_norm, gate stats...] as float64 on the device
     if (Replayable(inject)) {
       batches.push_back(batches_->NextTrain(this_step));  // [B, T+1] int64
       readout = ReplayStep(batches.back());
