@@ -9,7 +9,8 @@
 #   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30,
 #                                        BENCH_ARGS="--torch-optim 1 --variants nsa-cuda" (train_bench),
 #                                        GPU_TESTS="runtime/backend_test engine/trainer_test",
-#                                        MEMCHECK_FILTER="*CudaGraph*" (backend_test cases)
+#                                        MEMCHECK_FILTER="*CudaGraph*" (backend_test cases),
+#                                        MEMCHECK_NO_CACHING=0 (keep the caching allocator)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-/tmp/nsa-gpu-validate}}
@@ -46,7 +47,11 @@ done
 
 if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
   step "memcheck: full training steps, CUDA backend"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --leak-check no \
+  # Without the caching allocator memcheck sees every allocation's bounds; CUDA graphs need
+  # it, so MEMCHECK_NO_CACHING=0 (with MEMCHECK_FILTER="*CudaGraph*") checks the replays.
+  caching=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  [ "${MEMCHECK_NO_CACHING:-1}" = 1 ] || caching=()
+  env "${caching[@]}" timeout 300 compute-sanitizer --tool memcheck --leak-check no \
     --error-exitcode 9 "$build/tests/runtime/backend_test" --gtest_filter="${MEMCHECK_FILTER:-*CudaBackendRunsOnlyTheKernels*}" \
     > "$logs/memcheck.log" 2>&1
   rc=$?

@@ -118,6 +118,7 @@ TEST_F(BackendTest, ActivationCheckpointingOnTheGpuTrainsTheSame) {
 // only the eager steps' and the capture's forwards.
 TEST_F(BackendTest, CudaGraphReplayTrainsLikeTheEagerStep) {
   if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING")) GTEST_SKIP() << "graphs need the caching allocator";
   auto config = Tiny("cuda", AttentionBackend::kCuda);
   const auto eager = testing::FirstLosses(config, 6);
   config.cuda_graphs = true;
@@ -135,6 +136,7 @@ TEST_F(BackendTest, CudaGraphReplayTrainsLikeTheEagerStep) {
 // stream) is skipped without touching the weights, and the replays go on afterwards.
 TEST_F(BackendTest, CudaGraphsSkipANonFiniteStepAndGoOn) {
   if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING")) GTEST_SKIP() << "graphs need the caching allocator";
   auto config = Tiny("cuda", AttentionBackend::kCuda);
   config.cuda_graphs = true;
   config.allow_fault_injection = true;

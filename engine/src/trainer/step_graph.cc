@@ -1,5 +1,6 @@
 #include "trainer/step_graph.h"
 
+#include <cstdlib>
 #include <stdexcept>
 
 #if defined(NSAD_HAVE_CUDA_KERNELS)
@@ -11,6 +12,11 @@
 #endif
 
 namespace nsad {
+
+bool StepGraph::CachingAllocatorEnabled() {
+  // The variable c10 reads (set = no caching; a value of "0" is treated as set, to be safe).
+  return std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") == nullptr;
+}
 
 #if defined(NSAD_HAVE_CUDA_KERNELS)
 
@@ -37,6 +43,12 @@ struct StepGraph::Impl {
 
 StepGraph::StepGraph(const torch::Device& device) {
   if (!device.is_cuda()) throw std::runtime_error("CUDA graphs need a CUDA device");
+  if (!CachingAllocatorEnabled()) {
+    // Without it every allocation is a cudaMalloc, which a stream capture forbids.
+    throw std::runtime_error(
+        "cuda_graphs needs PyTorch's CUDA caching allocator, but PYTORCH_NO_CUDA_MEMORY_CACHING "
+        "disables it");
+  }
   impl_ = std::make_unique<Impl>(device);
 }
 

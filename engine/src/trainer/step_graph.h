@@ -18,8 +18,10 @@ namespace nsad {
 
 class StepGraph {
  public:
-  // Throws std::runtime_error where CUDA graphs are not available (no CUDA in this build).
+  // Throws std::runtime_error where CUDA graphs are not available: no CUDA in this build, or
+  // the caching allocator turned off (PYTORCH_NO_CUDA_MEMORY_CACHING; capture cannot cudaMalloc).
   explicit StepGraph(const torch::Device& device);
+  static bool CachingAllocatorEnabled();
   ~StepGraph();
 
   // Makes the graph's own stream (not the default one: capture needs a side stream) current
