@@ -6,23 +6,25 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
 namespace nsad::nsa::cuda::detail {
 
-// Parts a RoPE call can rotate at once (the module uses 1 and 2).
-constexpr int kMaxRopeParts = 4;
+// Parts one RoPE call takes (the module uses 1 for q and the compressed keys, 6 for the
+// kv projection).
+constexpr int kMaxRopeParts = 8;
 
 // RoPE of x [B,T,P,M,D] (any strides, unit stride in D) by the angles of position t:
-// cos, sin [T, D/2] float32. Returns P contiguous tensors [B,T,M,D], part p = x[:,:,p]
-// rotated, so that callers get each part without a copy.
+// cos, sin [T, D/2] float32. Returns P contiguous tensors [B,T,M,D]: part p = x[:,:,p],
+// rotated when bit p of rotate_mask is set, else copied.
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
-                                    const at::Tensor& sin);
-// The backward: the inverse rotation of the P part gradients [B,T,M,D] -> dx [B,T,P,M,D]
-// contiguous, in the parts' dtype.
+                                    const at::Tensor& sin, uint32_t rotate_mask);
+// The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
+// forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype.
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
-                        const at::Tensor& sin);
+                        const at::Tensor& sin, uint32_t rotate_mask);
 
 // out = g0 * a + g1 * b + g2 * c with gates [B,T,H,3] and a, b, c [B,T,H,D], all contiguous
 // and of one dtype.

@@ -1,6 +1,12 @@
 // Fused rotary position embedding: one kernel forward, one backward, instead of LibTorch's
 // cast / narrow / 4 mul / sub / add / cat / cast chain (and its fp32 temporaries).
 //
+// It also splits: x [B,T,P,M,D] comes in as a strided view (the module passes its whole kv
+// projection, 6 parts) and each part goes out contiguous, rotated or copied as the part's
+// bit in rotate_mask says. The backward writes the gradient of all parts into one
+// contiguous tensor, so autograd sees no select/narrow backward (zeros + copy per part)
+// and no sum over the parts.
+//
 // Each thread rotates one pair (x[j], x[j + D/2]) of one row, in float32 with the products
 // rounded separately (__fmul_rn, no FMA contraction) so that the float32 result is the one
 // the reference computes, then rounds once to the input type, as the reference does.
@@ -20,6 +26,7 @@ struct PartPtrs {
 struct RopeGeometry {
   int64_t stride_b, stride_t, stride_p, stride_m;  // strides of x (elements)
   int T, P, M, half;
+  uint32_t rotate_mask;  // bit p: part p is rotated (else copied)
 };
 
 // Grid-stride over all pairs: i = (((b*T + t)*P + p)*M + m)*half + j.
@@ -46,10 +53,15 @@ __global__ void __launch_bounds__(kThreads)
     int b, t, p, m, j;
     SplitIndex(i, g, b, t, p, m, j);
     const scalar_t* in = x + b * g.stride_b + t * g.stride_t + p * g.stride_p + m * g.stride_m;
+    scalar_t* o = out.p[p] + ((static_cast<int64_t>(b) * g.T + t) * g.M + m) * (2 * g.half);
+    if (!((g.rotate_mask >> p) & 1u)) {
+      o[j] = in[j];
+      o[j + g.half] = in[j + g.half];
+      continue;
+    }
     const float x1 = static_cast<float>(in[j]), x2 = static_cast<float>(in[j + g.half]);
     const float c = cos[static_cast<int64_t>(t) * g.half + j];
     const float s = sin[static_cast<int64_t>(t) * g.half + j];
-    scalar_t* o = out.p[p] + ((static_cast<int64_t>(b) * g.T + t) * g.M + m) * (2 * g.half);
     o[j] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
     o[j + g.half] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)));
   }
@@ -68,10 +80,15 @@ __global__ void __launch_bounds__(kThreads)
     SplitIndex(i, g, b, t, p, m, j);
     const scalar_t* gp =
         grads.p[p] + ((static_cast<int64_t>(b) * g.T + t) * g.M + m) * (2 * g.half);
+    scalar_t* o = dx + (i / g.half) * (2 * g.half);  // dx is [B,T,P,M,D] contiguous
+    if (!((g.rotate_mask >> p) & 1u)) {
+      o[j] = gp[j];
+      o[j + g.half] = gp[j + g.half];
+      continue;
+    }
     const float g1 = static_cast<float>(gp[j]), g2 = static_cast<float>(gp[j + g.half]);
     const float c = cos[static_cast<int64_t>(t) * g.half + j];
     const float s = sin[static_cast<int64_t>(t) * g.half + j];
-    scalar_t* o = dx + (i / g.half) * (2 * g.half);  // dx is [B,T,P,M,D] contiguous
     o[j] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(g1, c), __fmul_rn(g2, s)));
     o[j + g.half] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(g2, c), __fmul_rn(g1, s)));
   }
@@ -98,7 +115,7 @@ dim3 GridFor(int64_t n) {
 }  // namespace
 
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
-                                    const at::Tensor& sin) {
+                                    const at::Tensor& sin, uint32_t rotate_mask) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(x.stride(4) == 1, "x must have unit stride in its last dim");
@@ -111,7 +128,7 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return outs;
   const RopeGeometry g{x.stride(0), x.stride(1), x.stride(2), x.stride(3), static_cast<int>(T),
-                       static_cast<int>(P), static_cast<int>(M), static_cast<int>(D / 2)};
+                       static_cast<int>(P), static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_rope_forward", [&] {
     PartPtrs<scalar_t> ptrs{};
     for (int64_t p = 0; p < P; ++p) ptrs.p[p] = outs[p].data_ptr<scalar_t>();
@@ -122,7 +139,7 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
 }
 
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tensor& cos,
-                        const at::Tensor& sin) {
+                        const at::Tensor& sin, uint32_t rotate_mask) {
   const int64_t P = static_cast<int64_t>(grads_in.size());
   TORCH_CHECK(P >= 1 && P <= kMaxRopeParts, "RoPE takes 1..", kMaxRopeParts, " parts, got ", P);
   std::vector<at::Tensor> grads;
@@ -140,7 +157,7 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return dx;
   const RopeGeometry g{0, 0, 0, 0, static_cast<int>(T), static_cast<int>(P),
-                       static_cast<int>(M), static_cast<int>(D / 2)};
+                       static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
     PartPtrs<const scalar_t> ptrs{};
     for (int64_t p = 0; p < P; ++p) ptrs.p[p] = grads[p].data_ptr<scalar_t>();

@@ -75,17 +75,18 @@ class FusedOpsTest : public testing::TestWithParam<FusedCase> {
     return MakeRopeTable(positions, GetParam().D, 10000.0, torch::kFloat);
   }
 
-  // x [B,T,P,M,D] (a strided view as the module passes it) through the fused op and the
-  // reference: forward and gradient w.r.t. x, with only part `used` (or all parts, -1)
-  // carrying gradient.
-  void CheckRope(const torch::Tensor& x, const RopeTable& table, int used) {
+  // x [B,T,P,M,D] (a view as the module passes it) through the fused op and the reference:
+  // forward and gradient w.r.t. x, with only part `used` (or all parts, -1) carrying
+  // gradient. Parts with rotate[p] are rotated, the others copied.
+  void CheckRope(const torch::Tensor& x, const RopeTable& table, const std::vector<bool>& rotate,
+                 int used) {
     const int64_t P = x.size(2);
     std::vector<torch::Tensor> w;
     for (int64_t p = 0; p < P; ++p) {
       w.push_back(torch::randn({x.size(0), x.size(1), x.size(3), x.size(4)}, Opts()));
     }
     Poison();
-    const auto parts = cuda::ApplyRopeParts(x, table.cos, table.sin);
+    const auto parts = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
     ASSERT_EQ(static_cast<int64_t>(parts.size()), P);
     std::vector<torch::Tensor> outs, grads;
     for (int64_t p = 0; p < P; ++p) {
@@ -98,25 +99,26 @@ class FusedOpsTest : public testing::TestWithParam<FusedCase> {
     Poison();
     const auto dx = torch::autograd::grad(outs, {x}, grads)[0];
 
-    // Same-dtype reference: what the reference backend computes from the same inputs.
-    const auto same = ApplyRope(x.detach(), table);
-    // float32 reference on the upcast inputs, and its gradient.
     const auto x32 = Upcast(x);
-    const auto ref = ApplyRope(x32, table);
     std::vector<torch::Tensor> ref_outs, ref_grads;
     for (int64_t p = 0; p < P; ++p) {
-      const std::string part = "rope part " + std::to_string(p);
-      ExpectClose(parts[p], ref.select(2, p), Tolerance(), part);
+      const std::string part = "part " + std::to_string(p) + (rotate[p] ? " rope" : " copy");
+      // float32 reference on the upcast inputs.
+      const auto ref = rotate[p] ? ApplyRope(x32.select(2, p), table) : x32.select(2, p);
+      ExpectClose(parts[p], ref, Tolerance(), part);
+      // Same-dtype reference: what the reference backend computes from the same inputs.
       // Both round one float32 value computed the same way; allow a rare last-bit flip.
-      ExpectClose(parts[p], same.select(2, p), GetParam().dtype == torch::kFloat ? 1e-6 : 1e-3,
+      const auto same = rotate[p] ? ApplyRope(x.detach().select(2, p), table)
+                                  : x.detach().select(2, p);
+      ExpectClose(parts[p], same, GetParam().dtype == torch::kFloat ? 1e-6 : 1e-3,
                   part + " vs same dtype");
       if (used < 0 || used == p) {
-        ref_outs.push_back(ref.select(2, p));
+        ref_outs.push_back(ref);
         ref_grads.push_back(w[p].to(torch::kFloat));
       }
     }
     const auto dx32 = torch::autograd::grad(ref_outs, {x32}, ref_grads)[0];
-    ExpectClose(dx, dx32, Tolerance(), used < 0 ? "rope dx" : "rope dx (1 part)");
+    ExpectClose(dx, dx32, Tolerance(), used < 0 ? "dx" : "dx (1 part used)");
   }
 };
 
@@ -124,19 +126,27 @@ TEST_P(FusedOpsTest, RopeOfQueriesMatchesTheReference) {
   const FusedCase c = GetParam();
   // As the module: a view [B,T,1,H,D] of a projection output.
   const auto x = torch::randn({c.B, c.T, c.H * c.D}, Opts()).requires_grad_(true);
-  CheckRope(x.view({c.B, c.T, 1, c.H, c.D}), Table(c.T), -1);
+  CheckRope(x.view({c.B, c.T, 1, c.H, c.D}), Table(c.T), {true}, -1);
 }
 
-TEST_P(FusedOpsTest, RopeOfTwoKeyPartsFromTheKvProjectionMatchesTheReference) {
+TEST_P(FusedOpsTest, SplitOfTheKvProjectionWithRopeOnTwoPartsMatchesTheReference) {
   const FusedCase c = GetParam();
   const int64_t G = std::max<int64_t>(1, c.H / 4);
-  // The module's layout: kv [B,T,3,2,G,D]; the selected and window keys are the strided
-  // view kv[:,:,1:3,0] of shape [B,T,2,G,D].
+  // The module's layout: kv [B,T,6,G,D], the selected and window keys (parts 2, 4) rotated.
+  const auto kv = torch::randn({c.B, c.T, 6 * G * c.D}, Opts()).requires_grad_(true);
+  const std::vector<bool> rotate = {false, false, true, false, true, false};
+  CheckRope(kv.view({c.B, c.T, 6, G, c.D}), Table(c.T), rotate, -1);
+  CheckRope(kv.view({c.B, c.T, 6, G, c.D}), Table(c.T), rotate, 4);  // the rest get zeros
+}
+
+TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4);
+  // Non-contiguous rows: parts 1..2 of the key/value pairs of a [B,T,3,2,G,D] tensor.
   const auto kv = torch::randn({c.B, c.T, 3, 2, G, c.D}, Opts()).requires_grad_(true);
   const auto keys = kv.select(3, 0).narrow(2, 1, 2);
   ASSERT_FALSE(keys.is_contiguous());
-  CheckRope(keys, Table(c.T), -1);
-  CheckRope(keys, Table(c.T), 1);  // the other part's gradient is zero
+  CheckRope(keys, Table(c.T), {true, true}, -1);
 }
 
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {

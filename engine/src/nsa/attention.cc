@@ -119,21 +119,21 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& g = geometry_;
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
-  // RoPE through the dispatch (fused kernels on the CUDA backend). The selected and window
-  // keys are one call over [B,T,2,G,D] (rope is elementwise per position), which hands back
-  // each branch's keys contiguous.
-  const auto q = RotateParts(backend_, q_proj_->forward(x).view({B, T, 1, H, D}), rope.tokens)[0];
-  // [B,T,6,G,D] as three (key, value) pairs.
-  const auto kv = kv_proj_->forward(x).view({B, T, 3, 2, G, D});
-  const auto keys = RotateParts(backend_, kv.select(3, 0).narrow(2, 1, 2), rope.tokens);
-  const auto& k_slc = keys[0];
-  const auto v_slc = kv.select(2, 1).select(2, 1).contiguous();
-  const auto& k_win = keys[1];
-  const auto v_win = kv.select(2, 2).select(2, 1).contiguous();
-  const auto k_cmp = RotateParts(
-      backend_, Compress(kv.select(2, 0).select(2, 0), cmp_k_pos_, cmp_k_mlp_).unsqueeze(2),
-      rope.blocks)[0];
-  const auto v_cmp = Compress(kv.select(2, 0).select(2, 1), cmp_v_pos_, cmp_v_mlp_).contiguous();
+  // RoPE through the dispatch (fused kernels on the CUDA backend).
+  const auto q =
+      RotateParts(backend_, q_proj_->forward(x).view({B, T, 1, H, D}), rope.tokens, {true})[0];
+  // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
+  // contiguous parts by one call, which also rotates the selected and window keys; its
+  // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
+  const auto kv = RotateParts(backend_, kv_proj_->forward(x).view({B, T, 6, G, D}), rope.tokens,
+                              {false, false, true, false, true, false});
+  const auto& k_slc = kv[2];
+  const auto& v_slc = kv[3];
+  const auto& k_win = kv[4];
+  const auto& v_win = kv[5];
+  const auto k_cmp = RotateParts(backend_, Compress(kv[0], cmp_k_pos_, cmp_k_mlp_).unsqueeze(2),
+                                 rope.blocks, {true})[0];
+  const auto v_cmp = Compress(kv[1], cmp_v_pos_, cmp_v_mlp_).contiguous();
 
   const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
   const auto& block_idx = cmp.block_idx;

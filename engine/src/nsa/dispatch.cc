@@ -81,19 +81,23 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
 }
 
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
-                                       const RopeTable& table) {
+                                       const RopeTable& table, const std::vector<bool>& rotate) {
   TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
+  TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "RotateParts: ", rotate.size(),
+              " rotate flags for ", x.size(2), " parts");
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(x) && table.cos.scalar_type() == torch::kFloat) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::ApplyRopeParts(x, table.cos, table.sin);
+    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
   }
 #else
   UseCuda(backend);
 #endif
-  const auto rotated = ApplyRope(x, table);
   std::vector<torch::Tensor> parts;
-  for (int64_t p = 0; p < x.size(2); ++p) parts.push_back(rotated.select(2, p).contiguous());
+  for (int64_t p = 0; p < x.size(2); ++p) {
+    const auto part = x.select(2, p);
+    parts.push_back(rotate[p] ? ApplyRope(part, table) : part.contiguous());
+  }
   return parts;
 }
 

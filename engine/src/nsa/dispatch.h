@@ -34,10 +34,11 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
 // otherwise -- the reference backend on any device, CPU tensors, double -- the LibTorch
 // reference (the oracle).
 //
-// RoPE of x [B,T,P,M,D] (P parts rotated in one call, e.g. the keys of two branches) ->
-// the P parts x[:,:,p] rotated, each a contiguous [B,T,M,D].
+// x [B,T,P,M,D] split into its P parts x[:,:,p], each a contiguous [B,T,M,D], with RoPE
+// applied to the parts where rotate[p] (one call for a whole projection: its gradient then
+// comes back in one piece on the fused path).
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
-                                       const RopeTable& table);
+                                       const RopeTable& table, const std::vector<bool>& rotate);
 // gates [B,T,H,3] (cmp, slc, win) -> sum over k of gates[...,k] * branch k, [B,T,H,D].
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
