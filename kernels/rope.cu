@@ -127,8 +127,9 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
   for (int64_t p = 0; p < P; ++p) outs.push_back(at::empty({B, T, M, D}, x.options()));
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return outs;
-  const RopeGeometry g{x.stride(0), x.stride(1), x.stride(2), x.stride(3), static_cast<int>(T),
-                       static_cast<int>(P), static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
+  const RopeGeometry g{x.stride(0),         x.stride(1),         x.stride(2),
+                       x.stride(3),         static_cast<int>(T), static_cast<int>(P),
+                       static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_rope_forward", [&] {
     PartPtrs<scalar_t> ptrs{};
     for (int64_t p = 0; p < P; ++p) ptrs.p[p] = outs[p].data_ptr<scalar_t>();

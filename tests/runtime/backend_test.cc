@@ -1,7 +1,8 @@
 // The backend a config names is the backend that runs: each NSA layer's forward is counted
 // per backend by the dispatch (nsa::LayersExecuted), the fused CUDA elementwise ops (RoPE,
-// gate mixing) run exactly with the CUDA backend (nsa::FusedCallsExecuted), and environment variables named like
-// the field reports' flags switch nothing. GPU cases run only where a GPU is present.
+// gate mixing) run exactly with the CUDA backend (nsa::FusedCallsExecuted), and environment
+// variables named like the field reports' flags switch nothing. GPU cases run only where a
+// GPU is present.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
