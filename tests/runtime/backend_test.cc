@@ -1,6 +1,8 @@
 // The backend a config names is the backend that runs: each NSA layer's forward is counted
-// per backend by the dispatch (nsa::LayersExecuted), and environment variables named like
-// the field reports' flags switch nothing. GPU cases run only where a GPU is present.
+// per backend by the dispatch (nsa::LayersExecuted), the fused CUDA elementwise ops (RoPE,
+// gate mixing) run exactly with the CUDA backend (nsa::FusedCallsExecuted), and environment
+// variables named like the field reports' flags switch nothing. GPU cases run only where a
+// GPU is present.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -38,15 +40,22 @@ class BackendTest : public ::testing::Test {
     c.attention_backend = backend;
     return c;
   }
-  // Runs `steps` steps and returns how many layer forwards each backend executed.
-  std::pair<int64_t, int64_t> Count(const TrainConfig& config, int steps) {
+  // Runs `steps` steps and returns how many layer forwards each backend executed; the
+  // fused elementwise calls of those steps go to *fused.
+  std::pair<int64_t, int64_t> Count(const TrainConfig& config, int steps,
+                                    int64_t* fused = nullptr) {
     const int64_t ref0 = nsa::LayersExecuted(AttentionBackend::kReference);
     const int64_t cuda0 = nsa::LayersExecuted(AttentionBackend::kCuda);
+    const int64_t fused0 = nsa::FusedCallsExecuted();
     auto trainer = Trainer::Create(config);
     for (int i = 0; i < steps; ++i) EXPECT_TRUE(std::isfinite(trainer->Step().loss));
+    if (fused != nullptr) *fused = nsa::FusedCallsExecuted() - fused0;
     return {nsa::LayersExecuted(AttentionBackend::kReference) - ref0,
             nsa::LayersExecuted(AttentionBackend::kCuda) - cuda0};
   }
+  // Fused calls per layer forward with the CUDA backend: RoPE of q, of the selected+window
+  // keys (one call) and of the compressed keys, and the gate mixing.
+  static constexpr int64_t kFusedPerLayer = 4;
   testing::TempDir tmp_{"nsad-backend-test"};
 };
 
@@ -54,9 +63,11 @@ TEST_F(BackendTest, ReferenceOnCpuRunsOnlyTheReference) {
   // Flags of the kind the field reports found ignored: none of them may matter here.
   ::setenv("NSA_USE_FA2", "1", 1);
   ::setenv("NSAD_ATTENTION_BACKEND", "cuda", 1);
-  const auto [reference, cuda] = Count(Tiny("cpu", AttentionBackend::kAuto), 3);
+  int64_t fused = -1;
+  const auto [reference, cuda] = Count(Tiny("cpu", AttentionBackend::kAuto), 3, &fused);
   EXPECT_EQ(reference, 3 * 2) << "3 steps x 2 layers";
   EXPECT_EQ(cuda, 0);
+  EXPECT_EQ(fused, 0);
   ::unsetenv("NSA_USE_FA2");
   ::unsetenv("NSAD_ATTENTION_BACKEND");
 }
@@ -64,9 +75,11 @@ TEST_F(BackendTest, ReferenceOnCpuRunsOnlyTheReference) {
 TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(ProbeRuntime().cuda_kernels) << "a GPU build must have runnable NSA kernels";
-  const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3);
+  int64_t fused = -1;
+  const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
+  EXPECT_EQ(fused, 3 * 2 * kFusedPerLayer) << "RoPE and gate mixing run fused";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {
@@ -74,9 +87,11 @@ TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {
   auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kAuto), 2);
   EXPECT_EQ(cuda, 2 * 2);
   EXPECT_EQ(reference, 0);
-  std::tie(reference, cuda) = Count(Tiny("cuda", AttentionBackend::kReference), 2);
+  int64_t fused = -1;
+  std::tie(reference, cuda) = Count(Tiny("cuda", AttentionBackend::kReference), 2, &fused);
   EXPECT_EQ(reference, 2 * 2) << "the reference backend on a GPU is still the reference";
   EXPECT_EQ(cuda, 0);
+  EXPECT_EQ(fused, 0) << "the reference backend keeps the reference RoPE and mixing";
 }
 
 TEST_F(BackendTest, CudaAndReferenceTrainToTheSameLosses) {

@@ -37,36 +37,6 @@ int64_t GateHidden(const ModelConfig& config) {
   return std::max<int64_t>(1, int64_t{config.dim} / 4);
 }
 
-RopeTable MakeRopeTable(const torch::Tensor& positions, int64_t head_dim, double theta,
-                        torch::ScalarType acc) {
-  TORCH_CHECK(head_dim % 2 == 0, "RoPE needs an even head dim, got ", head_dim);
-  const int64_t half = head_dim / 2;
-  const auto opts = torch::TensorOptions().dtype(acc).device(positions.device());
-  const auto inv_freq = torch::pow(theta, torch::arange(half, opts) * (-2.0 / head_dim));  // [D/2]
-  const auto angles = positions.to(acc).unsqueeze(1) * inv_freq.unsqueeze(0);             // [T,D/2]
-  return {angles.cos(), angles.sin()};
-}
-
-torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTable& table) {
-  const int64_t D = x.size(-1), half = D / 2;
-  TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
-  TORCH_CHECK(x.dim() >= 3 && table.cos.size(0) == x.size(1) && table.cos.size(1) == half,
-              "rope table ", table.cos.sizes(), " does not fit x ", x.sizes());
-  // [T, D/2] -> [1, T, 1, ..., 1, D/2]: broadcast over batch and every dim between T and D.
-  std::vector<int64_t> shape(x.dim(), 1);
-  shape[1] = x.size(1);
-  shape.back() = half;
-  const auto cos = table.cos.view(shape), sin = table.sin.view(shape);
-  const auto xf = x.to(table.cos.scalar_type());
-  const auto x1 = xf.narrow(-1, 0, half), x2 = xf.narrow(-1, half, half);
-  return torch::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1).to(x.scalar_type());
-}
-
-torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
-  const auto acc = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  return ApplyRope(x, MakeRopeTable(positions.to(x.device()), x.size(-1), theta, acc));
-}
-
 NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend backend,
                                    double out_proj_std)
     : geometry_(GeometryFrom(config.nsa)),
@@ -149,19 +119,21 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& g = geometry_;
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
-  const auto q = ApplyRope(q_proj_->forward(x).view({B, T, H, D}), rope.tokens);
-  // [B,T,6,G,D] as three (key, value) pairs: the keys of the selected and window branches
-  // get one rope call together (rope is elementwise per position, so this equals two calls).
-  const auto kv = kv_proj_->forward(x).view({B, T, 3, 2, G, D});
-  const auto keys = ApplyRope(kv.select(3, 0).narrow(2, 1, 2), rope.tokens);  // [B,T,2,G,D]
-  const auto k_slc = keys.select(2, 0).contiguous();
-  const auto v_slc = kv.select(2, 1).select(2, 1).contiguous();
-  const auto k_win = keys.select(2, 1).contiguous();
-  const auto v_win = kv.select(2, 2).select(2, 1).contiguous();
-  const auto k_cmp =
-      ApplyRope(Compress(kv.select(2, 0).select(2, 0), cmp_k_pos_, cmp_k_mlp_), rope.blocks)
-          .contiguous();
-  const auto v_cmp = Compress(kv.select(2, 0).select(2, 1), cmp_v_pos_, cmp_v_mlp_).contiguous();
+  // RoPE through the dispatch (fused kernels on the CUDA backend).
+  const auto q =
+      RotateParts(backend_, q_proj_->forward(x).view({B, T, 1, H, D}), rope.tokens, {true})[0];
+  // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
+  // contiguous parts by one call, which also rotates the selected and window keys; its
+  // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
+  const auto kv = RotateParts(backend_, kv_proj_->forward(x).view({B, T, 6, G, D}), rope.tokens,
+                              {false, false, true, false, true, false});
+  const auto& k_slc = kv[2];
+  const auto& v_slc = kv[3];
+  const auto& k_win = kv[4];
+  const auto& v_win = kv[5];
+  const auto k_cmp = RotateParts(backend_, Compress(kv[0], cmp_k_pos_, cmp_k_mlp_).unsqueeze(2),
+                                 rope.blocks, {true})[0];
+  const auto v_cmp = Compress(kv[1], cmp_v_pos_, cmp_v_mlp_).contiguous();
 
   const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
   const auto& block_idx = cmp.block_idx;
@@ -169,9 +141,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto o_win = SlidingWindowAttention(backend_, q, k_win, v_win, g);
 
   const auto gates = gate_mlp_->forward(x).view({B, T, H, 3});
-  const auto mixed = gates.select(-1, 0).unsqueeze(-1) * cmp.out +
-                     gates.select(-1, 1).unsqueeze(-1) * o_slc +
-                     gates.select(-1, 2).unsqueeze(-1) * o_win;
+  const auto mixed = MixBranches(backend_, gates, cmp.out, o_slc, o_win);
   last_gates_ = gates.detach();
   last_block_idx_ = block_idx.detach();
   return o_proj_->forward(mixed.reshape({B, T, H * D}));

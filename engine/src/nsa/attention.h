@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "nsa/ops.h"
+#include "nsa/rope.h"
 #include "nsad/config.h"
 #include "nsad/engine.h"
 
@@ -19,20 +20,6 @@ Geometry GeometryFrom(const NsaConfig& config);
 // hidden layer (dim -> this -> 3*H). Exposed for the parameter-count documentation/tests.
 int64_t CompressionHidden(const ModelConfig& config);
 int64_t GateHidden(const ModelConfig& config);
-
-// Rotary position embedding (half-split, "rotate_half" form) of x [B,T,heads,D] at the
-// given token positions [T]; computed in float32 (double for double inputs).
-torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta);
-
-// The cos/sin tables of ApplyRope for given positions, so that a module can compute them
-// once per sequence length instead of once per call. x may have any number of dims after
-// [B,T] (ApplyRope's result is the same for every layout of the trailing dims).
-struct RopeTable {
-  torch::Tensor cos, sin;  // [T, D/2] in the accumulation type (float32 or double)
-};
-RopeTable MakeRopeTable(const torch::Tensor& positions, int64_t head_dim, double theta,
-                        torch::ScalarType acc);
-torch::Tensor ApplyRope(const torch::Tensor& x, const RopeTable& table);
 
 class NsaAttentionImpl : public torch::nn::Module {
  public:

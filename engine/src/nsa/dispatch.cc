@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #ifdef NSAD_HAVE_CUDA_KERNELS
+#include "fused_ops.h"
 #include "nsa_cuda.h"
 #endif
 
@@ -12,6 +13,7 @@ namespace {
 
 std::atomic<int64_t> reference_layers{0};
 std::atomic<int64_t> cuda_layers{0};
+std::atomic<int64_t> fused_calls{0};
 
 // Throws unless the CUDA kernels can run here; returns true for the CUDA backend.
 bool UseCuda(AttentionBackend backend) {
@@ -77,6 +79,46 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
 #endif
   return SlidingWindowAttentionReference(q, k, v, g);
 }
+
+std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
+                                       const RopeTable& table, const std::vector<bool>& rotate) {
+  TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
+  TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "RotateParts: ", rotate.size(),
+              " rotate flags for ", x.size(2), " parts");
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(x) && table.cos.scalar_type() == torch::kFloat) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
+  }
+#else
+  UseCuda(backend);
+#endif
+  std::vector<torch::Tensor> parts;
+  for (int64_t p = 0; p < x.size(2); ++p) {
+    const auto part = x.select(2, p);
+    parts.push_back(rotate[p] ? ApplyRope(part, table) : part.contiguous());
+  }
+  return parts;
+}
+
+torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
+                          const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
+                          const torch::Tensor& o_win) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(gates) &&
+      gates.scalar_type() == o_cmp.scalar_type() && o_slc.scalar_type() == o_cmp.scalar_type() &&
+      o_win.scalar_type() == o_cmp.scalar_type()) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::MixBranches(gates, o_cmp, o_slc, o_win);
+  }
+#else
+  UseCuda(backend);
+#endif
+  return gates.select(-1, 0).unsqueeze(-1) * o_cmp + gates.select(-1, 1).unsqueeze(-1) * o_slc +
+         gates.select(-1, 2).unsqueeze(-1) * o_win;
+}
+
+int64_t FusedCallsExecuted() { return fused_calls.load(); }
 
 int64_t LayersExecuted(AttentionBackend backend) {
   switch (backend) {

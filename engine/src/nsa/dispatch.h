@@ -3,7 +3,10 @@
 // (kernels/nsa_cuda.h). Same signatures and semantics as ops.h.
 #pragma once
 
+#include <vector>
+
 #include "nsa/ops.h"
+#include "nsa/rope.h"
 #include "nsad/config.h"
 
 namespace nsad::nsa {
@@ -25,6 +28,24 @@ torch::Tensor SelectedAttention(AttentionBackend backend, const torch::Tensor& q
 torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tensor& q,
                                      const torch::Tensor& k, const torch::Tensor& v,
                                      const Geometry& g);
+
+// The attention module's elementwise steps. With the CUDA backend and CUDA tensors of a
+// type the kernels take (bf16, fp16, fp32) they run the fused kernels (kernels/fused_ops.h);
+// otherwise -- the reference backend on any device, CPU tensors, double -- the LibTorch
+// reference (the oracle).
+//
+// x [B,T,P,M,D] split into its P parts x[:,:,p], each a contiguous [B,T,M,D], with RoPE
+// applied to the parts where rotate[p] (one call for a whole projection: its gradient then
+// comes back in one piece on the fused path).
+std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
+                                       const RopeTable& table, const std::vector<bool>& rotate);
+// gates [B,T,H,3] (cmp, slc, win) -> sum over k of gates[...,k] * branch k, [B,T,H,D].
+torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
+                          const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
+                          const torch::Tensor& o_win);
+// How many fused elementwise calls (RotateParts / MixBranches on the kernels) this process
+// has run: lets tests prove that the reference backend never takes them.
+int64_t FusedCallsExecuted();
 
 // How many NSA attention layers each backend has executed in this process: lets tests
 // prove that the backend a run names is the one that ran.

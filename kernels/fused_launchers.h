@@ -1,0 +1,38 @@
+// Host-side entry points of the fused elementwise kernels of the attention module
+// (kernels/rope.cu, kernels/gate_mix.cu), called by the autograd functions in fused_ops.cc.
+// Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
+// float32 and every output is rounded once to the input type.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace nsad::nsa::cuda::detail {
+
+// Parts one RoPE call takes (the module uses 1 for q and the compressed keys, 6 for the
+// kv projection).
+constexpr int kMaxRopeParts = 8;
+
+// RoPE of x [B,T,P,M,D] (any strides, unit stride in D) by the angles of position t:
+// cos, sin [T, D/2] float32. Returns P contiguous tensors [B,T,M,D]: part p = x[:,:,p],
+// rotated when bit p of rotate_mask is set, else copied.
+std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
+                                    const at::Tensor& sin, uint32_t rotate_mask);
+// The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
+// forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype.
+at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
+                        const at::Tensor& sin, uint32_t rotate_mask);
+
+// out = g0 * a + g1 * b + g2 * c with gates [B,T,H,3] and a, b, c [B,T,H,D], all contiguous
+// and of one dtype.
+at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
+                          const at::Tensor& c);
+// Returns d_gates, d_a, d_b, d_c.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
+    const at::Tensor& dout, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& c);
+
+}  // namespace nsad::nsa::cuda::detail

@@ -1,0 +1,32 @@
+// Fused CUDA versions of the attention module's elementwise steps (RoPE and the gate
+// mixing of the three branches), as autograd functions with a one-kernel forward and a
+// one-kernel backward. Their oracles are the LibTorch code in nsa/rope.h (ApplyRope) and
+// nsa/dispatch.cc (the reference mixing); nsa/dispatch.h decides which one runs.
+// Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <vector>
+
+namespace nsad::nsa::cuda {
+
+// True when the fused ops take tensors of this device and dtype (CUDA; bf16, fp16, fp32).
+bool FusedOpsTake(const torch::Tensor& t);
+
+// x [B,T,P,M,D] (any strides with unit stride in D; P <= 8) split into its P parts
+// x[:,:,p], each a contiguous [B,T,M,D]; part p rotated by RoPE at the angles of position t
+// (cos, sin [T, D/2] float32, a RopeTable) when rotate[p], else copied. Differentiable
+// w.r.t. x, whose gradient comes back as one contiguous tensor. A rotated part equals
+// ApplyRope(x[:,:,p], table) up to the rounding of the result to x's dtype.
+std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
+                                          const torch::Tensor& sin,
+                                          const std::vector<bool>& rotate);
+
+// gates [B,T,H,3]; o_cmp, o_slc, o_win [B,T,H,D], one dtype ->
+// gates[...,0] * o_cmp + gates[...,1] * o_slc + gates[...,2] * o_win, differentiable w.r.t.
+// all four inputs.
+torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
+                          const torch::Tensor& o_slc, const torch::Tensor& o_win);
+
+}  // namespace nsad::nsa::cuda

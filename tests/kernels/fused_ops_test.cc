@@ -1,0 +1,188 @@
+// The fused elementwise ops of the attention module (kernels/fused_ops.h) against their
+// LibTorch references: RoPE (nsa/rope.h ApplyRope) and the gate mixing of the three branch
+// outputs, forward and gradients (torch::autograd::grad), bf16 / fp16 / fp32, odd lengths,
+// batch > 1, several head counts, head dims 64 and 128.
+//
+// Two references: the same maths on inputs upcast to float32 (metric ||x-ref||/||ref||,
+// under 2e-2 for bf16/fp16 and 1e-5 for fp32, as kernels_test), and for RoPE also the
+// reference run in the input dtype itself -- what the reference backend computes -- which
+// rounds once at the end like the kernel, so the two agree to (nearly) every bit.
+// Without a CUDA device every test skips.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "fused_ops.h"
+#include "nsa/rope.h"
+#include "nsa_cuda.h"
+
+namespace nsad::nsa {
+namespace {
+
+struct FusedCase {
+  int64_t B, T, H, D;
+  torch::ScalarType dtype;
+};
+
+std::string FusedName(const testing::TestParamInfo<FusedCase>& info) {
+  const FusedCase& c = info.param;
+  return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) +
+         "_D" + std::to_string(c.D) +
+         (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16");
+}
+
+class FusedOpsTest : public testing::TestWithParam<FusedCase> {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(cuda::Available()) << "CUDA device present but the NSA kernels cannot run on it";
+    torch::manual_seed(99 + GetParam().T * 3 + GetParam().H);
+  }
+  torch::TensorOptions Opts() const {
+    return torch::TensorOptions().dtype(GetParam().dtype).device(torch::kCUDA);
+  }
+  double Tolerance() const { return GetParam().dtype == torch::kFloat ? 1e-5 : 2e-2; }
+  static torch::Tensor Upcast(const torch::Tensor& t) {
+    return t.detach().to(torch::kFloat).requires_grad_(true);
+  }
+  // Fresh allocations start as NaN, so an element a kernel forgets to write shows up.
+  static void Poison() {
+    torch::full({64 << 20}, std::numeric_limits<float>::quiet_NaN(),
+                torch::TensorOptions().device(torch::kCUDA));
+  }
+  static double RelErr(const torch::Tensor& got, const torch::Tensor& want) {
+    const auto g = got.detach().to(torch::kDouble), w = want.detach().to(torch::kDouble);
+    const double ref = w.norm().item<double>();
+    const double err = (g - w).norm().item<double>();
+    return ref == 0.0 ? err : err / ref;
+  }
+  void ExpectClose(const torch::Tensor& got, const torch::Tensor& want, double tol,
+                   const std::string& what) const {
+    ASSERT_EQ(got.sizes(), want.sizes()) << what;
+    ASSERT_EQ(got.scalar_type(), GetParam().dtype) << what;
+    ASSERT_FALSE(got.isnan().any().item<bool>()) << what << " has NaN";
+    const double err = RelErr(got, want);
+    std::printf("    %-16s rel err %.2e\n", what.c_str(), err);
+    EXPECT_LT(err, tol) << what;
+  }
+  RopeTable Table(int64_t n) const {
+    const auto positions = torch::arange(n, torch::TensorOptions().device(torch::kCUDA)) * 3 + 5;
+    return MakeRopeTable(positions, GetParam().D, 10000.0, torch::kFloat);
+  }
+
+  // x [B,T,P,M,D] (a view as the module passes it) through the fused op and the reference:
+  // forward and gradient w.r.t. x, with only part `used` (or all parts, -1) carrying
+  // gradient. Parts with rotate[p] are rotated, the others copied.
+  void CheckRope(const torch::Tensor& x, const RopeTable& table, const std::vector<bool>& rotate,
+                 int used) {
+    const int64_t P = x.size(2);
+    std::vector<torch::Tensor> w;
+    for (int64_t p = 0; p < P; ++p) {
+      w.push_back(torch::randn({x.size(0), x.size(1), x.size(3), x.size(4)}, Opts()));
+    }
+    Poison();
+    const auto parts = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
+    ASSERT_EQ(static_cast<int64_t>(parts.size()), P);
+    std::vector<torch::Tensor> outs, grads;
+    for (int64_t p = 0; p < P; ++p) {
+      EXPECT_TRUE(parts[p].is_contiguous());
+      if (used < 0 || used == p) {
+        outs.push_back(parts[p]);
+        grads.push_back(w[p]);
+      }
+    }
+    Poison();
+    const auto dx = torch::autograd::grad(outs, {x}, grads)[0];
+
+    const auto x32 = Upcast(x);
+    std::vector<torch::Tensor> ref_outs, ref_grads;
+    for (int64_t p = 0; p < P; ++p) {
+      const std::string part = "part " + std::to_string(p) + (rotate[p] ? " rope" : " copy");
+      // float32 reference on the upcast inputs.
+      const auto ref = rotate[p] ? ApplyRope(x32.select(2, p), table) : x32.select(2, p);
+      ExpectClose(parts[p], ref, Tolerance(), part);
+      // Same-dtype reference: what the reference backend computes from the same inputs.
+      // Both round one float32 value computed the same way; allow a rare last-bit flip.
+      const auto same = rotate[p] ? ApplyRope(x.detach().select(2, p), table)
+                                  : x.detach().select(2, p);
+      ExpectClose(parts[p], same, GetParam().dtype == torch::kFloat ? 1e-6 : 1e-3,
+                  part + " vs same dtype");
+      if (used < 0 || used == p) {
+        ref_outs.push_back(ref);
+        ref_grads.push_back(w[p].to(torch::kFloat));
+      }
+    }
+    const auto dx32 = torch::autograd::grad(ref_outs, {x32}, ref_grads)[0];
+    ExpectClose(dx, dx32, Tolerance(), used < 0 ? "dx" : "dx (1 part used)");
+  }
+};
+
+TEST_P(FusedOpsTest, RopeOfQueriesMatchesTheReference) {
+  const FusedCase c = GetParam();
+  // As the module: a view [B,T,1,H,D] of a projection output.
+  const auto x = torch::randn({c.B, c.T, c.H * c.D}, Opts()).requires_grad_(true);
+  CheckRope(x.view({c.B, c.T, 1, c.H, c.D}), Table(c.T), {true}, -1);
+}
+
+TEST_P(FusedOpsTest, SplitOfTheKvProjectionWithRopeOnTwoPartsMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4);
+  // The module's layout: kv [B,T,6,G,D], the selected and window keys (parts 2, 4) rotated.
+  const auto kv = torch::randn({c.B, c.T, 6 * G * c.D}, Opts()).requires_grad_(true);
+  const std::vector<bool> rotate = {false, false, true, false, true, false};
+  CheckRope(kv.view({c.B, c.T, 6, G, c.D}), Table(c.T), rotate, -1);
+  CheckRope(kv.view({c.B, c.T, 6, G, c.D}), Table(c.T), rotate, 4);  // the rest get zeros
+}
+
+TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4);
+  // Non-contiguous rows: parts 1..2 of the key/value pairs of a [B,T,3,2,G,D] tensor.
+  const auto kv = torch::randn({c.B, c.T, 3, 2, G, c.D}, Opts()).requires_grad_(true);
+  const auto keys = kv.select(3, 0).narrow(2, 1, 2);
+  ASSERT_FALSE(keys.is_contiguous());
+  CheckRope(keys, Table(c.T), {true, true}, -1);
+}
+
+TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts())).requires_grad_(true);
+  const auto a = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
+  const auto b = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
+  const auto o = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
+  const auto w = torch::randn({c.B, c.T, c.H, c.D}, Opts());
+  Poison();
+  const auto out = cuda::MixBranches(gates, a, b, o);
+  Poison();
+  const auto grads = torch::autograd::grad({out}, {gates, a, b, o}, {w});
+
+  auto g32 = Upcast(gates), a32 = Upcast(a), b32 = Upcast(b), o32 = Upcast(o);
+  const auto ref = g32.select(-1, 0).unsqueeze(-1) * a32 + g32.select(-1, 1).unsqueeze(-1) * b32 +
+                   g32.select(-1, 2).unsqueeze(-1) * o32;
+  const auto ref_grads =
+      torch::autograd::grad({ref}, {g32, a32, b32, o32}, {w.to(torch::kFloat)});
+  ExpectClose(out, ref, Tolerance(), "mix out");
+  ExpectClose(grads[0], ref_grads[0], Tolerance(), "mix dgates");
+  ExpectClose(grads[1], ref_grads[1], Tolerance(), "mix d_cmp");
+  ExpectClose(grads[2], ref_grads[2], Tolerance(), "mix d_slc");
+  ExpectClose(grads[3], ref_grads[3], Tolerance(), "mix d_win");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedOpsTest,
+                         testing::Values(FusedCase{1, 1, 4, 64, torch::kBFloat16},
+                                         FusedCase{2, 33, 12, 64, torch::kBFloat16},
+                                         FusedCase{3, 257, 16, 128, torch::kBFloat16},
+                                         FusedCase{2, 2061, 12, 64, torch::kBFloat16},
+                                         FusedCase{2, 100, 8, 128, torch::kHalf},
+                                         FusedCase{2, 1001, 12, 64, torch::kHalf},
+                                         FusedCase{2, 257, 4, 64, torch::kFloat},
+                                         FusedCase{1, 1000, 16, 128, torch::kFloat}),
+                         FusedName);
+
+}  // namespace
+}  // namespace nsad::nsa
