@@ -3,9 +3,13 @@
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
 //   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
-//             [--reps 5] [--warmup 2]
+//             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //
-// bf16, batch 1, default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
+// --slc-only 1 times only the selected branch (forward, and its backward alone from saved
+// out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
+// (the union a query-tile kernel would stage), to size the selected kernels' work split.
+//
+// bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
 // matrix products only (4*D flops per query-head-key pair forward, 2.5x that forward+backward
 // as FlashAttention counts them), over the keys each branch really visits.
@@ -24,6 +28,7 @@
 #include <vector>
 
 #include "nsa/ops.h"
+#include "launchers.h"
 #include "nsa_cuda.h"
 
 namespace {
@@ -71,6 +76,23 @@ std::vector<int64_t> ParseList(const char* s) {
   return out;
 }
 
+// Mean number of distinct selected blocks over tiles of `tile` consecutive positions of one
+// (batch, group); idx [B,T,G,n] with -1 for unused slots.
+double MeanUnion(const torch::Tensor& idx, int64_t NS, int64_t tile) {
+  const int64_t B = idx.size(0), T = idx.size(1), G = idx.size(2);
+  const int64_t tiles = (T + tile - 1) / tile;
+  auto onehot = torch::zeros({B, tiles * tile, G, NS + 1}, idx.options().dtype(torch::kBool));
+  auto ix = torch::where(idx >= 0, idx, torch::full({}, NS, idx.options())).to(torch::kLong);
+  onehot.slice(1, 0, T).scatter_(3, ix, true);
+  auto u = onehot.slice(3, 0, NS).reshape({B, tiles, tile, G, NS}).any(2).sum(-1);
+  return u.to(torch::kDouble).mean().item<double>();
+}
+
+nsad::nsa::cuda::detail::Geo ToGeo(const Geometry& g) {
+  return {static_cast<int>(g.cmp_block), static_cast<int>(g.cmp_stride), static_cast<int>(g.slc_block),
+          static_cast<int>(g.top_n), static_cast<int>(g.window)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,6 +101,8 @@ int main(int argc, char** argv) {
   struct Heads { int64_t H, G; };
   std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
   int reps = 5, warmup = 2;
+  int64_t batch = 1;
+  bool slc_only = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -95,6 +119,8 @@ int main(int argc, char** argv) {
     }
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::atoll(argv[i + 1]);
+    else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   if (!torch::cuda::is_available() || !nsa_cuda::Available()) {
@@ -112,6 +138,41 @@ int main(int argc, char** argv) {
   const Geometry geo;
   const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
 
+  if (slc_only) {
+    std::printf("%3s %6s %4s %6s | %9s %9s | %7s %7s %7s %7s\n", "B", "seq", "D", "H:G", "slc_f", "slc_b",
+                "sel/pos", "u16", "u32", "u64");
+    for (const int64_t T : seqs) {
+      for (const int64_t D : dims) {
+        for (const Heads hc : head_cfgs) {
+          const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo), B = batch;
+          const int64_t NS = nsad::nsa::NumSlcBlocks(T, geo);
+          torch::manual_seed(T + D + H);
+          auto q = torch::randn({B, T, H, D}, opts), k = torch::randn({B, T, G, D}, opts),
+               v = torch::randn({B, T, G, D}, opts);
+          auto kc = torch::randn({B, N, G, D}, opts), vc = torch::randn({B, N, G, D}, opts);
+          auto grad = torch::randn({B, T, H, D}, opts);
+          auto idx = nsa_cuda::SelectBlocks(nsa_cuda::CompressedAttention(q, kc, vc, geo).importance, T, geo);
+          namespace detail = nsad::nsa::cuda::detail;
+          std::tuple<at::Tensor, at::Tensor> fwd;
+          const double slc_f = MedianMs([&] { fwd = detail::SelectedForward(q, k, v, idx, ToGeo(geo)); },
+                                        warmup, reps);
+          const at::Tensor out = std::get<0>(fwd), lse = std::get<1>(fwd);
+          const double slc_b = MedianMs(
+              [&] { detail::SelectedBackward(grad, q, k, v, out, lse, idx, ToGeo(geo)); }, warmup, reps);
+          const double sel = (idx >= 0).sum().item<double>() / static_cast<double>(B * T * G);
+          char heads[16];
+          std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
+          std::printf("%3lld %6lld %4lld %6s | %9.3f %9.3f | %7.2f %7.2f %7.2f %7.2f\n",
+                      static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(D), heads,
+                      slc_f, slc_b, sel, MeanUnion(idx, NS, 16), MeanUnion(idx, NS, 32),
+                      MeanUnion(idx, NS, 64));
+          std::fflush(stdout);
+        }
+      }
+    }
+    return 0;
+  }
+
   std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
               "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
               "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win");
@@ -121,10 +182,11 @@ int main(int argc, char** argv) {
       for (const Heads hc : head_cfgs) {
         const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo);
         torch::manual_seed(T + D + H);
-        auto q = torch::randn({1, T, H, D}, opts), k = torch::randn({1, T, G, D}, opts),
-             v = torch::randn({1, T, G, D}, opts);
-        auto kc = torch::randn({1, N, G, D}, opts), vc = torch::randn({1, N, G, D}, opts);
-        auto grad = torch::randn({1, T, H, D}, opts);
+        const int64_t B = batch;
+        auto q = torch::randn({B, T, H, D}, opts), k = torch::randn({B, T, G, D}, opts),
+             v = torch::randn({B, T, G, D}, opts);
+        auto kc = torch::randn({B, N, G, D}, opts), vc = torch::randn({B, N, G, D}, opts);
+        auto grad = torch::randn({B, T, H, D}, opts);
 
         // Dense causal flash, BHTD views of the same data.
         auto dense_fwd = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
@@ -168,8 +230,8 @@ int main(int argc, char** argv) {
             },
             warmup, reps);
 
-        const double flop_d = 4.0 * D * H * pairs.dense;
-        const double flop_n = 4.0 * D * H * (pairs.cmp + pairs.slc + pairs.win);
+        const double flop_d = 4.0 * D * H * B * pairs.dense;
+        const double flop_n = 4.0 * D * H * B * (pairs.cmp + pairs.slc + pairs.win);
         char heads[16];
         std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
         std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f\n",
