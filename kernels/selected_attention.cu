@@ -16,6 +16,9 @@
 // straight from L2 with 16-byte loads; four consecutive positions of one group share a CTA,
 // so the blocks they have in common (block 0, the local blocks, ...) are served from L1.
 // fp32 inputs keep the scalar kernels of attention_tile.cuh.
+#include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "launch_util.cuh"
@@ -25,6 +28,13 @@ namespace nsad::nsa::cuda::detail {
 namespace {
 
 constexpr int kQueriesPerCta = 64;
+
+// Queries per dK/dV work item; NSAD_SLC_QPC overrides it (benchmark tuning knob).
+int QueriesPerCta() {
+  const char* env = std::getenv("NSAD_SLC_QPC");
+  const int v = env != nullptr ? std::atoi(env) : 0;
+  return v > 0 ? v : kQueriesPerCta;
+}
 
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
 template <typename scalar_t, int D, bool kDq>
@@ -99,16 +109,137 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
+// Forward (and, with kDq, dQ) over flattened (position, head) rows: each warp takes 16
+// consecutive rows of one (b, g), i.e. ceil(16 / hq) or so positions, and walks the UNION of
+// the blocks those positions selected (a merge of their ascending lists), masking per row
+// the blocks its own position did not select. With hq < 16 heads per group the per-position
+// kernel above pads the MMA rows (hq = 6: 10 of 16 rows wasted); this one fills them, which
+// pays whenever neighbouring positions share most blocks (short sequences: every position
+// below n * l' selects all its causal blocks), or when the warp spans whole positions
+// (16 % hq == 0: the union is at most what the padded kernel would do anyway).
+template <typename scalar_t, int D, bool kDq>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    SelectedRowsMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                          const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                          const float* __restrict__ delta, scalar_t* __restrict__ out,
+                          float* __restrict__ lse, Shape s, const int* __restrict__ block_idx,
+                          int n, int slc_block, float scale_log2, float dq_scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kN = kDq ? mma::KeysPerStep<D>() / 2 : mma::KeysPerStep<D>();
+  const int lane = threadIdx.x & 31, hq = s.hq();
+  const int total = s.T * hq;  // flattened rows of this (b, g)
+  const int r0 = (static_cast<int>(blockIdx.x) * mma::kWarps + static_cast<int>(threadIdx.x >> 5)) * 16;
+  if (r0 >= total) return;  // whole warps
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int p_lo = r0 / hq, p_hi = min(r0 + 15, total - 1) / hq;  // positions spanned (<= 16)
+  int t[2], pos_rel[2];
+  bool valid[2];
+  int64_t row_index[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rho = r0 + (lane >> 2) + 8 * half;
+    valid[half] = rho < total;
+    t[half] = valid[half] ? rho / hq : p_hi;
+    pos_rel[half] = valid[half] ? t[half] - p_lo : 31;  // bit 31 of the selection mask is never set
+    row_index[half] = (static_cast<int64_t>(b) * s.T + t[half]) * s.H + grp * hq + (valid[half] ? rho % hq : 0);
+  }
+  mma::RowFrag<D> qa, qb;
+  mma::LoadRow<D>(qa, valid[0] ? q + row_index[0] * s.D : nullptr, lane);
+  mma::LoadRow<D>(qb, valid[1] ? q + row_index[1] * s.D : nullptr, lane);
+  const int64_t stride = static_cast<int64_t>(s.G) * s.D;
+
+  // Lane p < npos walks the list of position p_lo + p; head = its next block (INT_MAX: done).
+  // Unused (-1) slots are skipped wherever they are; a block listed twice is visited twice,
+  // like the per-position kernel does.
+  const int npos = p_hi - p_lo + 1;
+  const int* list = block_idx + ((static_cast<int64_t>(b) * s.T + p_lo + min(lane, npos - 1)) * s.G + grp) * n;
+  int ptr = lane < npos ? 0 : n;
+  const auto next_head = [&]() {
+    while (ptr < n) {
+      const int x = list[ptr];
+      if (x >= 0) return x;
+      ++ptr;
+    }
+    return INT_MAX;
+  };
+  int head = next_head();
+
+  // Runs step(start, count, allowed) over every key step of the union of blocks.
+  const auto walk = [&](auto&& step) {
+    for (;;) {
+      const int blk = __reduce_min_sync(0xffffffffu, head);
+      if (blk == INT_MAX) break;
+      const unsigned sel = __ballot_sync(0xffffffffu, head == blk);  // positions that chose blk
+      if (head == blk) {
+        ++ptr;
+        head = next_head();
+      }
+      const int end = min(min(blk * slc_block + slc_block, s.T), p_hi + 1);
+      const bool row_sel[2] = {((sel >> pos_rel[0]) & 1u) != 0, ((sel >> pos_rel[1]) & 1u) != 0};
+      for (int start = blk * slc_block; start < end; start += kN) {
+        const int lim[2] = {t[0] - start, t[1] - start};  // causal: step-relative key <= t
+        step(start, min(kN, end - start),
+             [&](int half, int key) { return row_sel[half] && key <= lim[half]; });
+      }
+    }
+  };
+
+  if constexpr (!kDq) {
+    mma::FwdState<D> st;
+    st.Init();
+    walk([&](int start, int count, auto allowed) {
+      mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp), v + KeyOffset(s, b, start, grp),
+                                 stride, count, scale_log2, allowed, lane);
+    });
+    scalar_t* const out_row[2] = {valid[0] ? out + row_index[0] * s.D : nullptr,
+                                  valid[1] ? out + row_index[1] * s.D : nullptr};
+    float* const lse_row[2] = {lse + row_index[0], lse + row_index[1]};
+    mma::FwdFinish<kBf16, D>(st, out_row, lse_row, lane);
+  } else {
+    mma::RowFrag<D> da, db;
+    mma::LoadRow<D>(da, valid[0] ? dout + row_index[0] * s.D : nullptr, lane);
+    mma::LoadRow<D>(db, valid[1] ? dout + row_index[1] * s.D : nullptr, lane);
+    const float row_lse[2] = {valid[0] ? lse[row_index[0]] : INFINITY, valid[1] ? lse[row_index[1]] : INFINITY};
+    const float row_delta[2] = {valid[0] ? delta[row_index[0]] : 0.f, valid[1] ? delta[row_index[1]] : 0.f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    walk([&](int start, int count, auto allowed) {
+      mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
+                                v + KeyOffset(s, b, start, grp), stride, count, scale_log2, row_lse,
+                                row_delta, allowed, lane);
+    });
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (valid[half]) mma::StoreRow<kBf16, D>(out + row_index[half] * s.D, acc, half, dq_scale, lane);
+  }
+}
+
+// Which query-side tensor-core kernel runs. NSAD_SLC_KERNEL=rows|heads forces one (tests
+// cover both paths on every shape); the default picks rows where its union walk cannot do
+// more block steps than the padded per-position kernel (see SelectedRowsMmaKernel).
+bool UseRowsKernel(const Shape& s, int n, int num_blocks) {
+  if (n > 32) return false;  // ballot masks: at most 32 positions per warp (16 in practice)
+  const char* env = std::getenv("NSAD_SLC_KERNEL");
+  if (env != nullptr && std::strcmp(env, "rows") == 0) return true;
+  if (env != nullptr && std::strcmp(env, "heads") == 0) return false;
+  const int hq = s.hq();
+  return hq < 16 && (num_blocks <= 2 * n || 16 % hq == 0);
+}
+
 template <typename scalar_t, int D, bool kDq>
 void LaunchSelectedQueryMma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor* dout, const at::Tensor* delta, at::Tensor& out,
                             const at::Tensor& lse, const Shape& s, const at::Tensor& block_idx,
                             const Geo& g) {
-  const dim3 grid((s.T + mma::kWarps - 1) / mma::kWarps, s.G, s.B);
+  const int n = static_cast<int>(block_idx.size(3));
+  const bool rows = UseRowsKernel(s, n, (s.T + g.slc_block - 1) / g.slc_block);
+  const int64_t work = rows ? (static_cast<int64_t>(s.T) * s.hq() + 15) / 16 : s.T;  // warps per (b, g)
+  const dim3 grid(static_cast<unsigned>((work + mma::kWarps - 1) / mma::kWarps), s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  SelectedQueryMmaKernel<scalar_t, D, kDq>
-      <<<grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  auto kernel = rows ? SelectedRowsMmaKernel<scalar_t, D, kDq> : SelectedQueryMmaKernel<scalar_t, D, kDq>;
+  kernel<<<grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           dout ? dout->data_ptr<scalar_t>() : nullptr, delta ? delta->data_ptr<float>() : nullptr,
           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, block_idx.data_ptr<int>(),
@@ -139,7 +270,7 @@ struct SelectedKeyPolicy {
   const int64_t* chunk_off;  // [S+1]: first work item of each (b, g, block) segment
   const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_t
   const int* sorted_t;       // query positions, grouped by segment, ascending inside
-  int num_segments, NS, slc_block;
+  int num_segments, NS, slc_block, queries_per_cta;
 
   __device__ KeyWork Work(const Shape& s) const {
     KeyWork w{};
@@ -151,12 +282,12 @@ struct SelectedKeyPolicy {
       if (chunk_off[mid] <= item) lo = mid; else hi = mid - 1;
     }
     const int seg = lo;
-    const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * kQueriesPerCta;
+    const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * queries_per_cta;
     const int blk = seg % NS, bg = seg / NS;
     w.b = bg / s.G;
     w.g = bg % s.G;
     w.keys = {blk * slc_block, min(slc_block, s.T - blk * slc_block)};
-    w.num_queries = static_cast<int>(min(static_cast<int64_t>(kQueriesPerCta), seg_off[seg + 1] - first));
+    w.num_queries = static_cast<int>(min(static_cast<int64_t>(queries_per_cta), seg_off[seg + 1] - first));
     w.query_base = first;
     w.valid = true;
     return w;
@@ -235,11 +366,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
   const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, lopts));
   const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
-  const auto chunks = (counts + (kQueriesPerCta - 1)).div(kQueriesPerCta, "floor");
+  const int qpc = QueriesPerCta();
+  const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
   const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
-  const int64_t max_items = S + seg.numel() / kQueriesPerCta + 1;  // >= chunk_off[S]
+  const int64_t max_items = S + seg.numel() / qpc + 1;  // >= chunk_off[S]
   const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), seg_off.data_ptr<int64_t>(),
-                               sorted_t.data_ptr<int>(), static_cast<int>(S), NS, g.slc_block};
+                               sorted_t.data_ptr<int>(), static_cast<int>(S), NS, g.slc_block, qpc};
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
   const int rows = s.hq();
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_bwd", [&] {

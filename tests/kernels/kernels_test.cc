@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -88,10 +89,12 @@ class KernelsTest : public testing::TestWithParam<Case> {
     EXPECT_LT(err_norm / ref_norm, Tolerance()) << what << " relative error";
   }
 
+  void CheckSelectedAttention();
+
   Geometry geo_;
 };
 
-TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) {
+void KernelsTest::CheckSelectedAttention() {
   const Case c = GetParam();
   const int64_t NS = NumSlcBlocks(c.T, geo_);
   auto q = Random({kBatch, c.T, c.H, c.D});
@@ -113,6 +116,22 @@ TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) {
   ExpectClose(q.grad(), q32.grad(), "dq");
   ExpectClose(k.grad(), k32.grad(), "dk");
   ExpectClose(v.grad(), v32.grad(), "dv");
+}
+
+TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) { CheckSelectedAttention(); }
+
+// The selected forward/dQ have two tensor-core kernels (per-position with the group's heads
+// as MMA rows, and flattened (position, head) rows over the union of neighbours' blocks),
+// picked by shape; NSAD_SLC_KERNEL forces each so both are checked on every shape.
+TEST_P(KernelsTest, SelectedAttentionBothQueryKernels) {
+  for (const char* path : {"rows", "heads"}) {
+    SCOPED_TRACE(path);
+    struct Force {  // unset again even when a check fails
+      explicit Force(const char* p) { setenv("NSAD_SLC_KERNEL", p, 1); }
+      ~Force() { unsetenv("NSAD_SLC_KERNEL"); }
+    } force(path);
+    CheckSelectedAttention();
+  }
 }
 
 TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) {
