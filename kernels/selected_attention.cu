@@ -16,6 +16,7 @@
 // straight from L2 with 16-byte loads; four consecutive positions of one group share a CTA,
 // so the blocks they have in common (block 0, the local blocks, ...) are served from L1.
 // fp32 inputs keep the scalar kernels of attention_tile.cuh.
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -28,12 +29,13 @@ namespace nsad::nsa::cuda::detail {
 namespace {
 
 constexpr int kQueriesPerCta = 64;
+constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
 
 // Queries per dK/dV work item; NSAD_SLC_QPC overrides it (benchmark tuning knob).
 int QueriesPerCta() {
   const char* env = std::getenv("NSAD_SLC_QPC");
   const int v = env != nullptr ? std::atoi(env) : 0;
-  return v > 0 ? v : kQueriesPerCta;
+  return v > 0 ? std::min(v, kMaxQueriesPerCta) : kQueriesPerCta;
 }
 
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
@@ -296,6 +298,159 @@ struct SelectedKeyPolicy {
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
 };
 
+// ---------------------------------------------------------------------------------------
+// dK/dV with the CTA's query rows staged in shared memory (cp.async, double-buffered).
+// Same work split and math as mma::DkDvMmaKernel (each warp owns 16 keys of the block as MMA
+// rows and walks the CTA's flattened (position, head) rows kR at a time), but the rows of
+// the next step (Q, dO, lse, delta) are copied into shared memory while the current one is
+// computed, once for the four warps, instead of each warp loading them from L2 right before
+// use: the old kernel spent most of its time waiting on those loads (two dependent gathers
+// per step for lse/delta, at 8 warps per SM).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
+// chunk ch ^ 4*(r & 1), so the 8 lanes of a quarter-warp (rows 2m, 2m+1, chunks 4i..4i+3)
+// hit all 32 banks once when they read their RowFrag pieces.
+__device__ __forceinline__ int SwizzledChunk(int r, int ch) { return ch ^ ((r & 1) << 2); }
+
+template <int D, typename scalar_t>
+__device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t* tile, int r, int lane) {
+  const uint4* row = reinterpret_cast<const uint4*>(tile + r * D);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
+}
+
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                             const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                             const float* __restrict__ lse, const float* __restrict__ delta,
+                             float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
+                             SelectedKeyPolicy pol, float scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kR = D == 64 ? 32 : 16;  // query rows per step (register budget)
+  constexpr int kChunks = D / 8;         // 16-byte chunks per row
+  __shared__ int pos[kMaxQueriesPerCta];
+  __shared__ alignas(16) scalar_t q_s[2][kR * D];
+  __shared__ alignas(16) scalar_t do_s[2][kR * D];
+  __shared__ float lse_s[2][kR], delta_s[2][kR];
+
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq(), total = w.num_queries * hq;  // flattened (position, head) rows
+  for (int i = threadIdx.x; i < w.num_queries; i += mma::kMmaThreads) pos[i] = pol.Query(w, i);
+  __syncthreads();
+
+  const auto stage = [&](int r0, int buf) {
+    for (int e = threadIdx.x; e < kR * kChunks; e += mma::kMmaThreads) {
+      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
+      const bool ok = rho < total;  // rows past the end are zero-filled
+      const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
+      const int dst = r * D + SwizzledChunk(r, ch) * 8;
+      CpAsync16(&q_s[buf][dst], q + off, ok);
+      CpAsync16(&do_s[buf][dst], dout + off, ok);
+    }
+    if (threadIdx.x < kR) {
+      const int rho = r0 + threadIdx.x;
+      const bool ok = rho < total;
+      const int64_t row =
+          ok ? (static_cast<int64_t>(w.b) * s.T + pos[rho / hq]) * s.H + w.g * hq + rho % hq : 0;
+      CpAsync4(&lse_s[buf][threadIdx.x], lse + row, ok);
+      CpAsync4(&delta_s[buf][threadIdx.x], delta + row, ok);
+    }
+    CpAsyncCommit();
+  };
+
+  const int key_lo = 16 * warp;
+  const bool active = key_lo < w.keys.count;  // warp-uniform; idle warps still stage
+  const float scale_log2 = scale * kLog2e;
+  int key[2];
+  bool key_ok[2];
+  mma::RowFrag<D> ka, kb, va, vb;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    key[half] = w.keys.start + key_lo + g + 8 * half;
+    key_ok[half] = key_lo + g + 8 * half < w.keys.count;
+  }
+  mma::LoadRow<D>(ka, key_ok[0] ? k + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  mma::LoadRow<D>(kb, key_ok[1] ? k + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  mma::LoadRow<D>(va, key_ok[0] ? v + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  mma::LoadRow<D>(vb, key_ok[1] ? v + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  }
+
+  stage(0, 0);
+  for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
+    if (r0 + kR < total) {
+      stage(r0 + kR, buf ^ 1);  // the buffer the previous step read; freed by its barrier
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    if (active) {
+      mma::RowFrag<D> qr[kR / 8], dr[kR / 8];
+      float st[kR / 8][4], dpt[kR / 8][4];
+#pragma unroll
+      for (int j = 0; j < kR / 8; ++j) {
+        LoadRowShared<D>(qr[j], q_s[buf], 8 * j + g, lane);
+        LoadRowShared<D>(dr[j], do_s[buf], 8 * j + g, lane);
+        st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+        dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+        mma::QKTile<kBf16, D>(st[j], ka, kb, qr[j]);
+        mma::QKTile<kBf16, D>(dpt[j], va, vb, dr[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kR / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * j + 2 * c + e, rho = r0 + r;  // this C column's query row
+          const bool row_ok = rho < total;
+          const int t = row_ok ? pos[rho / hq] : 0;
+          const float row_lse = lse_s[buf][r], row_delta = delta_s[buf][r];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const bool ok = row_ok && key_ok[half] && key[half] <= t;
+            const float p = ok ? exp2f(st[j][2 * half + e] * scale_log2 - row_lse) : 0.f;
+            st[j][2 * half + e] = p;
+            dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - row_delta);  // dS^T
+          }
+        }
+      }
+      mma::PRTile<kBf16, D, kR>(dv, st, dr);
+      mma::PRTile<kBf16, D, kR>(dk, dpt, qr);
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!key_ok[half]) continue;
+    const int64_t off = KeyOffset(s, w.b, key[half], w.g);
+    mma::AtomicAddRow<D>(dk_acc + off, dk, half, scale, lane);
+    mma::AtomicAddRow<D>(dv_acc + off, dv, half, 1.f, lane);
+  }
+}
+
 void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& block_idx, const Geo& g) {
   CheckInput(q, "q", 4);
@@ -388,8 +543,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       if (S > 0) {
         const dim3 kgrid(static_cast<unsigned>(max_items));
         if constexpr (!std::is_same_v<scalar_t, float>) {
-          mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>
-              <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          const char* env = std::getenv("NSAD_SLC_DKDV");  // "old": the unstaged kernel (A/B)
+          auto kernel = env != nullptr && std::strcmp(env, "old") == 0
+                            ? mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>
+                            : SelectedDkDvStagedKernel<scalar_t, D>;
+          kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
                   dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
