@@ -322,6 +322,14 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// 2^x on the SFU (ex2.approx, relative error ~2^-22): exp2f's slow-path handling costs more
+// instructions than the rest of the per-element softmax here.
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
 // chunk ch ^ 4*(r & 1), so the 8 lanes of a quarter-warp (rows 2m, 2m+1, chunks 4i..4i+3)
 // hit all 32 banks once when they read their RowFrag pieces.
@@ -334,20 +342,24 @@ __device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t
   for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
 }
 
-template <typename scalar_t, int D>
-__global__ void __launch_bounds__(mma::kMmaThreads)
+// kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
+// Default kR = 32 at D=64 / 16 at D=128 (2 CTAs per SM); NSAD_SLC_DKDV_VARIANT=r16x3|r32x3
+// picks a 3-CTA build at D=64 (A/B measurement knob).
+template <typename scalar_t, int D, int kR, int kMinCtas>
+__global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                              const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
                              SelectedKeyPolicy pol, float scale) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  constexpr int kR = D == 64 ? 32 : 16;  // query rows per step (register budget)
-  constexpr int kChunks = D / 8;         // 16-byte chunks per row
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
   __shared__ int pos[kMaxQueriesPerCta];
   __shared__ alignas(16) scalar_t q_s[2][kR * D];
   __shared__ alignas(16) scalar_t do_s[2][kR * D];
-  __shared__ float lse_s[2][kR], delta_s[2][kR];
+  // Per staged row: lse, delta, position (-1 past the end) as float bits, unused. One
+  // 16-byte load gives a C column everything its softmax/mask needs.
+  __shared__ float4 meta[2][kR];
 
   const KeyWork w = pol.Work(s);
   if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
@@ -368,10 +380,11 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     if (threadIdx.x < kR) {
       const int rho = r0 + threadIdx.x;
       const bool ok = rho < total;
-      const int64_t row =
-          ok ? (static_cast<int64_t>(w.b) * s.T + pos[rho / hq]) * s.H + w.g * hq + rho % hq : 0;
-      CpAsync4(&lse_s[buf][threadIdx.x], lse + row, ok);
-      CpAsync4(&delta_s[buf][threadIdx.x], delta + row, ok);
+      const int t = ok ? pos[rho / hq] : -1;
+      const int64_t row = ok ? (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq : 0;
+      CpAsync4(&meta[buf][threadIdx.x].x, lse + row, ok);
+      CpAsync4(&meta[buf][threadIdx.x].y, delta + row, ok);
+      meta[buf][threadIdx.x].z = __int_as_float(t);  // read after the step's barrier
     }
     CpAsyncCommit();
   };
@@ -387,6 +400,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     key[half] = w.keys.start + key_lo + g + 8 * half;
     key_ok[half] = key_lo + g + 8 * half < w.keys.count;
   }
+  // key <= t is the whole mask: padding keys never pass it, nor rows past the end (t = -1).
+  const int key_cut[2] = {key_ok[0] ? key[0] : INT_MAX, key_ok[1] ? key[1] : INT_MAX};
   mma::LoadRow<D>(ka, key_ok[0] ? k + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
   mma::LoadRow<D>(kb, key_ok[1] ? k + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
   mma::LoadRow<D>(va, key_ok[0] ? v + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
@@ -423,16 +438,13 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
       for (int j = 0; j < kR / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int r = 8 * j + 2 * c + e, rho = r0 + r;  // this C column's query row
-          const bool row_ok = rho < total;
-          const int t = row_ok ? pos[rho / hq] : 0;
-          const float row_lse = lse_s[buf][r], row_delta = delta_s[buf][r];
+          const float4 m = meta[buf][8 * j + 2 * c + e];  // this C column's query row
+          const int t = __float_as_int(m.z);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const bool ok = row_ok && key_ok[half] && key[half] <= t;
-            const float p = ok ? exp2f(st[j][2 * half + e] * scale_log2 - row_lse) : 0.f;
+            const float p = key_cut[half] <= t ? Exp2(st[j][2 * half + e] * scale_log2 - m.x) : 0.f;
             st[j][2 * half + e] = p;
-            dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - row_delta);  // dS^T
+            dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - m.y);  // dS^T
           }
         }
       }
@@ -513,13 +525,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   // Invert the block map: segment id (b, g, block) per entry, unused slots sorted last.
   const auto lopts = block_idx.options().dtype(at::kLong);
   const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
-  const auto idx = block_idx.to(at::kLong);
-  const auto bs = at::arange(s.B, lopts).view({s.B, 1, 1, 1});
-  const auto gs = at::arange(s.G, lopts).view({1, 1, s.G, 1});
-  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, lopts)).flatten();
+  // 32-bit segment ids whenever they fit: the radix sort then makes 4 passes instead of 8.
+  const auto kopts = block_idx.options().dtype(S < INT_MAX ? at::kInt : at::kLong);
+  const auto idx = block_idx.to(kopts.dtype());
+  const auto bs = at::arange(s.B, kopts).view({s.B, 1, 1, 1});
+  const auto gs = at::arange(s.G, kopts).view({1, 1, s.G, 1});
+  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, kopts)).flatten();
   const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
-  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, lopts));
+  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
   const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
   const int qpc = QueriesPerCta();
   const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
@@ -544,9 +558,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
         const dim3 kgrid(static_cast<unsigned>(max_items));
         if constexpr (!std::is_same_v<scalar_t, float>) {
           const char* env = std::getenv("NSAD_SLC_DKDV");  // "old": the unstaged kernel (A/B)
-          auto kernel = env != nullptr && std::strcmp(env, "old") == 0
-                            ? mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>
-                            : SelectedDkDvStagedKernel<scalar_t, D>;
+          const char* variant = std::getenv("NSAD_SLC_DKDV_VARIANT");
+          const auto is = [](const char* e, const char* name) { return e != nullptr && std::strcmp(e, name) == 0; };
+          auto kernel = SelectedDkDvStagedKernel<scalar_t, D, D == 64 ? 32 : 16, 1>;
+          if constexpr (D == 64) {
+            if (is(variant, "r16x3")) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
+            if (is(variant, "r32x3")) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 3>;
+          }
+          if (is(env, "old")) kernel = mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>;
           kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nsa/ops.h"
@@ -120,16 +121,28 @@ void KernelsTest::CheckSelectedAttention() {
 
 TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) { CheckSelectedAttention(); }
 
-// The selected forward/dQ have two tensor-core kernels (per-position with the group's heads
-// as MMA rows, and flattened (position, head) rows over the union of neighbours' blocks),
-// picked by shape; NSAD_SLC_KERNEL forces each so both are checked on every shape.
-TEST_P(KernelsTest, SelectedAttentionBothQueryKernels) {
-  for (const char* path : {"rows", "heads"}) {
-    SCOPED_TRACE(path);
+// The selected branch has several tensor-core kernels picked by shape or kept for A/B
+// measurements: forward/dQ per position (the group's heads as MMA rows) or over flattened
+// (position, head) rows walking the union of neighbours' blocks; dK/dV staged in shared
+// memory (three register budgets) or the unstaged kernel. The knobs force each so every
+// path is checked on every shape.
+TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
+  const std::vector<std::vector<std::pair<const char*, const char*>>> paths = {
+      {{"NSAD_SLC_KERNEL", "rows"}},
+      {{"NSAD_SLC_KERNEL", "heads"}, {"NSAD_SLC_DKDV", "old"}},
+      {{"NSAD_SLC_DKDV_VARIANT", "r16x3"}},
+      {{"NSAD_SLC_DKDV_VARIANT", "r32x3"}}};
+  for (const auto& env : paths) {
+    SCOPED_TRACE(std::string(env[0].first) + "=" + env[0].second);
     struct Force {  // unset again even when a check fails
-      explicit Force(const char* p) { setenv("NSAD_SLC_KERNEL", p, 1); }
-      ~Force() { unsetenv("NSAD_SLC_KERNEL"); }
-    } force(path);
+      explicit Force(const std::vector<std::pair<const char*, const char*>>& e) : env(e) {
+        for (const auto& [name, value] : env) setenv(name, value, 1);
+      }
+      ~Force() {
+        for (const auto& kv : env) unsetenv(kv.first);
+      }
+      const std::vector<std::pair<const char*, const char*>>& env;
+    } force(env);
     CheckSelectedAttention();
   }
 }
