@@ -75,9 +75,15 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
       if (blk < 0) continue;
       const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
       for (int start = blk * slc_block; start < end; start += kN) {
-        mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp),
-                                   v + KeyOffset(s, b, start, grp), stride, min(kN, end - start),
-                                   scale_log2, all, lane);
+        // A literal count for full steps lets the inlined step drop its per-key bounds checks.
+        if (end - start >= kN) {
+          mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp),
+                                     v + KeyOffset(s, b, start, grp), stride, kN, scale_log2, all, lane);
+        } else {
+          mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp),
+                                     v + KeyOffset(s, b, start, grp), stride, end - start, scale_log2,
+                                     all, lane);
+        }
       }
     }
     scalar_t* const out_row[2] = {valid[0] ? out + row_index[0] * s.D : nullptr,
@@ -100,9 +106,15 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
       if (blk < 0) continue;
       const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
       for (int start = blk * slc_block; start < end; start += kN) {
-        mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
-                                  v + KeyOffset(s, b, start, grp), stride, min(kN, end - start),
-                                  scale_log2, row_lse, row_delta, all, lane);
+        if (end - start >= kN) {
+          mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
+                                    v + KeyOffset(s, b, start, grp), stride, kN, scale_log2, row_lse,
+                                    row_delta, all, lane);
+        } else {
+          mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
+                                    v + KeyOffset(s, b, start, grp), stride, end - start, scale_log2,
+                                    row_lse, row_delta, all, lane);
+        }
       }
     }
 #pragma unroll
@@ -165,6 +177,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     return INT_MAX;
   };
   int head = next_head();
+  const unsigned all_pos = (1u << npos) - 1;  // npos <= 16
 
   // Runs step(start, count, allowed) over every key step of the union of blocks.
   const auto walk = [&](auto&& step) {
@@ -178,10 +191,18 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
       }
       const int end = min(min(blk * slc_block + slc_block, s.T), p_hi + 1);
       const bool row_sel[2] = {((sel >> pos_rel[0]) & 1u) != 0, ((sel >> pos_rel[1]) & 1u) != 0};
+      const bool all_sel = (sel & all_pos) == all_pos;
       for (int start = blk * slc_block; start < end; start += kN) {
-        const int lim[2] = {t[0] - start, t[1] - start};  // causal: step-relative key <= t
-        step(start, min(kN, end - start),
-             [&](int half, int key) { return row_sel[half] && key <= lim[half]; });
+        if (all_sel && start + kN <= min(end, p_lo + 1)) {
+          // Every row chose the block and sees the whole step (the common case when the
+          // positions share their blocks): a literal count and no mask, so the inlined step
+          // drops all per-key checks. Rows past the end have Q = 0 and are never stored.
+          step(start, std::integral_constant<int, kN>{}, [](int, int) { return true; });
+        } else {
+          const int lim[2] = {t[0] - start, t[1] - start};  // causal: step-relative key <= t
+          step(start, min(kN, end - start),
+               [&](int half, int key) { return row_sel[half] && key <= lim[half]; });
+        }
       }
     }
   };
@@ -189,7 +210,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   if constexpr (!kDq) {
     mma::FwdState<D> st;
     st.Init();
-    walk([&](int start, int count, auto allowed) {
+    walk([&](int start, auto count, auto allowed) {
       mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp), v + KeyOffset(s, b, start, grp),
                                  stride, count, scale_log2, allowed, lane);
     });
@@ -206,7 +227,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     float acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    walk([&](int start, int count, auto allowed) {
+    walk([&](int start, auto count, auto allowed) {
       mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
                                 v + KeyOffset(s, b, start, grp), stride, count, scale_log2, row_lse,
                                 row_delta, allowed, lane);
