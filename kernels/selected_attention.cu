@@ -1,21 +1,30 @@
 // Selected-block attention (NSA section 3.3.2), forward and backward.
 //
-// Forward and dQ are group-centric: one CTA per (batch, position, group) stages each of the
-// position's selected KV blocks in shared memory once and serves all H/G query heads of the
-// group from it (online softmax over the blocks, no K/V expansion).
+// bf16/fp16 inputs run on tensor cores (mma_tile.cuh); fp32 inputs keep the scalar kernels
+// of attention_tile.cuh.
+//
+// Forward and dQ are query-centric, two kernels picked by shape (UseRowsKernel):
+//   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
+//     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
+//     consecutive positions share a CTA so their common blocks come from L1.
+//   * flattened rows (SelectedRowsMmaKernel): one warp per 16 consecutive (position, head)
+//     rows of a (b, g), walking the union of the blocks those positions chose with a
+//     per-row mask. No padded rows; it wins whenever neighbours share their blocks (short
+//     sequences: every position below n * l' selects all its causal blocks) and loses a
+//     little at 64k with H/G = 6 and unrelated selections (measured, see PERFORMANCE.md).
 //
 // dK/dV are key-centric: the block index map is inverted on the GPU (a stable sort of
 // (batch, group, block) keys, so each block's query list comes out in position order), and
 // one CTA per (block, slice of at most kQueriesPerCta of its queries) accumulates dK/dV of
-// the block in registers. Block 0 and the local blocks are chosen by every query, so a block
-// can have up to T queries; slicing the lists keeps the grid balanced at the price of one
-// float32 atomic add per key element per slice (not per query) when a list is split.
+// the block in registers, its query rows staged in shared memory with cp.async one step
+// ahead (SelectedDkDvStagedKernel). Block 0 and the local blocks are chosen by every query,
+// so a block can have up to T queries; slicing the lists keeps the grid balanced at the
+// price of one float32 atomic add per key element per slice (not per query).
 //
-// bf16/fp16 inputs run the forward and dQ on tensor cores (mma_tile.cuh): one warp per
-// (batch, position, group) with the group's heads as the 16 MMA rows, K/V fragments loaded
-// straight from L2 with 16-byte loads; four consecutive positions of one group share a CTA,
-// so the blocks they have in common (block 0, the local blocks, ...) are served from L1.
-// fp32 inputs keep the scalar kernels of attention_tile.cuh.
+// Test/measurement knobs (environment, read per call): NSAD_SLC_KERNEL=rows|heads forces a
+// forward/dQ kernel, NSAD_SLC_DKDV=old the unstaged mma::DkDvMmaKernel,
+// NSAD_SLC_DKDV_VARIANT=r16x3|r32x3 a 3-CTA-per-SM register budget at D=64, NSAD_SLC_QPC the
+// queries per dK/dV work item. kernels_test forces every path on every shape.
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -291,6 +300,7 @@ struct SelectedQueryPolicy {
 
 struct SelectedKeyPolicy {
   const int64_t* chunk_off;  // [S+1]: first work item of each (b, g, block) segment
+  const int* item_seg;       // [grid]: the segment of each work item (one load, not a search)
   const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_t
   const int* sorted_t;       // query positions, grouped by segment, ascending inside
   int num_segments, NS, slc_block, queries_per_cta;
@@ -299,12 +309,7 @@ struct SelectedKeyPolicy {
     KeyWork w{};
     const int64_t item = blockIdx.x;
     if (item >= chunk_off[num_segments]) return w;  // grid is an upper bound
-    int lo = 0, hi = num_segments - 1;              // last segment with chunk_off <= item
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (chunk_off[mid] <= item) lo = mid; else hi = mid - 1;
-    }
-    const int seg = lo;
+    const int seg = item_seg[item];                 // last segment with chunk_off <= item
     const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * queries_per_cta;
     const int blk = seg % NS, bg = seg / NS;
     w.b = bg / s.G;
@@ -560,8 +565,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
   const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
   const int64_t max_items = S + seg.numel() / qpc + 1;  // >= chunk_off[S]
-  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), seg_off.data_ptr<int64_t>(),
-                               sorted_t.data_ptr<int>(), static_cast<int>(S), NS, g.slc_block, qpc};
+  // Segment of each work item: a CTA then starts with one load instead of a 10-step binary
+  // search of dependent L2 loads. Items past chunk_off[S] are never read (Work() checks).
+  const auto item_seg =
+      (at::searchsorted(chunk_off, at::arange(max_items, lopts), /*out_int32=*/true, /*right=*/true) - 1)
+          .clamp_min(0);
+  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), item_seg.data_ptr<int>(),
+                               seg_off.data_ptr<int64_t>(), sorted_t.data_ptr<int>(),
+                               static_cast<int>(S), NS,
+                               g.slc_block, qpc};
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
   const int rows = s.hq();
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_bwd", [&] {
