@@ -582,7 +582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
           const char* variant = std::getenv("NSAD_SLC_DKDV_VARIANT");
           const auto is = [](const char* e, const char* name) { return e != nullptr && std::strcmp(e, name) == 0; };
           // D=64: 32 rows per step on a 3-CTA-per-SM register budget (168 registers, 28 bytes
-          // of spill) measured 7-17% faster than 2 CTAs per SM (200 registers) on H100.
+          // of spill) measured 3-17% faster than 2 CTAs per SM (200 registers) on H100.
           auto kernel = SelectedDkDvStagedKernel<scalar_t, D, D == 64 ? 32 : 16, D == 64 ? 3 : 1>;
           if constexpr (D == 64) {
             if (is(variant, "r16x3")) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
