@@ -4,10 +4,17 @@
 //
 //   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
+//             [--slc-fwd auto|rows|heads] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
+//             [--slc-qpc N]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
 // (the union a query-tile kernel would stage), to size the selected kernels' work split.
+//
+// --slc-fwd / --slc-dkdv / --slc-qpc force the selected branch's forward/dQ kernel, dK/dV
+// kernel (staged register budgets rows x CTAs per SM are D=64 builds) and queries per dK/dV
+// work item (0 = auto) through SelectedKernelChoice (kernels/selected_choice.h), for A/B runs
+// in one binary; the default is the dispatch training uses. The choice is printed first.
 //
 // bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
@@ -25,16 +32,40 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nsa/ops.h"
 #include "launchers.h"
 #include "nsa_cuda.h"
+#include "selected_choice.h"
 
 namespace {
 
 using nsad::nsa::Geometry;
 namespace nsa_cuda = nsad::nsa::cuda;
+
+using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
+constexpr std::pair<const char*, Choice::Fwd> kFwdNames[] = {
+    {"auto", Choice::Fwd::kAuto}, {"rows", Choice::Fwd::kRows}, {"heads", Choice::Fwd::kHeads}};
+constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
+    {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
+    {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
+    {"unstaged", Choice::DkDv::kUnstaged}};
+
+// Value of a name in a table like kFwdNames; false when the name is not there.
+template <typename E, size_t N>
+bool FromName(const std::pair<const char*, E> (&names)[N], const std::string& name, E& out) {
+  for (const auto& [n, e] : names)
+    if (name == n) return out = e, true;
+  return false;
+}
+template <typename E, size_t N>
+const char* NameOf(const std::pair<const char*, E> (&names)[N], E e) {
+  for (const auto& [n, v] : names)
+    if (v == e) return n;
+  return "?";
+}
 
 double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -103,6 +134,7 @@ int main(int argc, char** argv) {
   int reps = 5, warmup = 2;
   int64_t batch = 1;
   bool slc_only = false;
+  Choice choice;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -121,12 +153,37 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--batch") batch = std::atoll(argv[i + 1]);
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--slc-fwd") {
+      if (!FromName(kFwdNames, argv[i + 1], choice.fwd)) {
+        std::fprintf(stderr, "--slc-fwd takes auto|rows|heads\n");
+        return 2;
+      }
+    } else if (a == "--slc-dkdv") {
+      if (!FromName(kDkDvNames, argv[i + 1], choice.dkdv)) {
+        std::fprintf(stderr, "--slc-dkdv takes auto|staged16x3|staged32x1|staged32x3|unstaged\n");
+        return 2;
+      }
+    } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
+  }
+  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged;
+  if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
+    std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n",
+                 NameOf(kDkDvNames, choice.dkdv));
+    return 2;
+  }
+  if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
+    std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..512\n");
+    return 2;
   }
   if (!torch::cuda::is_available() || !nsa_cuda::Available()) {
     std::fprintf(stderr, "nsa_bench needs a CUDA GPU the kernels were built for\n");
     return 1;
   }
+  nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
+  std::printf("# selected kernels: fwd %s, dkdv %s, queries per dkdv item %d%s\n",
+              NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), choice.queries_per_item,
+              choice.queries_per_item == 0 ? " (auto)" : "");
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   // Dense baseline must be FlashAttention: leave SDPA no other backend to fall back to.
   auto& ctx = at::globalContext();

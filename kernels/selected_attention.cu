@@ -21,31 +21,63 @@
 // so a block can have up to T queries; slicing the lists keeps the grid balanced at the
 // price of one float32 atomic add per key element per slice (not per query).
 //
-// Test/measurement knobs (environment, read per call): NSAD_SLC_KERNEL=rows|heads forces a
-// forward/dQ kernel, NSAD_SLC_DKDV=old the unstaged mma::DkDvMmaKernel,
-// NSAD_SLC_DKDV_VARIANT=r16x3|r32x1 another register budget at D=64, NSAD_SLC_QPC the
-// queries per dK/dV work item. kernels_test forces every path on every shape.
+// Tests and benchmarks force a forward/dQ kernel, a dK/dV kernel or register budget, and the
+// queries per dK/dV work item through SelectedKernelChoice (selected_choice.h), read once per
+// call; the default (all auto) is the dispatch below. kernels_test forces every path.
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
+#include <mutex>
 #include <type_traits>
 
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
+#include "selected_choice.h"
 
 namespace nsad::nsa::cuda::detail {
+
+namespace {
+std::mutex choice_mutex;
+SelectedKernelChoice choice_state;  // guarded by choice_mutex
+}  // namespace
+
+void SetSelectedKernelChoiceForTesting(const SelectedKernelChoice& choice) {
+  std::lock_guard<std::mutex> lock(choice_mutex);
+  choice_state = choice;
+}
+
+SelectedKernelChoice GetSelectedKernelChoice() {
+  std::lock_guard<std::mutex> lock(choice_mutex);
+  return choice_state;
+}
+
 namespace {
 
 constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
 constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
 
-// Queries per dK/dV work item; NSAD_SLC_QPC overrides it (benchmark tuning knob).
-int QueriesPerCta() {
-  const char* env = std::getenv("NSAD_SLC_QPC");
-  const int v = env != nullptr ? std::atoi(env) : 0;
-  return v > 0 ? std::min(v, kMaxQueriesPerCta) : kQueriesPerCta;
+using Choice = SelectedKernelChoice;
+
+// Reads the process-wide choice once for a call and rejects what this call cannot run, so a
+// forced kernel is never replaced by another one without notice.
+Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
+  const Choice c = GetSelectedKernelChoice();
+  TORCH_CHECK(c.queries_per_item >= 0 && c.queries_per_item <= kMaxQueriesPerCta,
+              "SelectedKernelChoice: queries_per_item must be 0 (auto) or 1..", kMaxQueriesPerCta,
+              ", got ", c.queries_per_item);
+  if (q.scalar_type() == at::kFloat) {
+    TORCH_CHECK(c.fwd == Choice::Fwd::kAuto && c.dkdv == Choice::DkDv::kAuto,
+                "SelectedKernelChoice: fp32 inputs run the scalar kernels; only kAuto applies");
+  }
+  TORCH_CHECK(c.fwd != Choice::Fwd::kRows || n <= 32,
+              "SelectedKernelChoice: the rows kernel needs top_n <= 32, got ", n);
+  TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
+              "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
+              " takes kAuto or kUnstaged");
+  return c;
 }
+
+// Queries per dK/dV work item.
+int QueriesPerCta(const Choice& c) { return c.queries_per_item > 0 ? c.queries_per_item : kQueriesPerCta; }
 
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
 template <typename scalar_t, int D, bool kDq>
@@ -235,14 +267,14 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
-// Which query-side tensor-core kernel runs. NSAD_SLC_KERNEL=rows|heads forces one (tests
-// cover both paths on every shape); the default picks rows where its union walk cannot do
-// more block steps than the padded per-position kernel (see SelectedRowsMmaKernel).
-bool UseRowsKernel(const Shape& s, int n, int num_blocks) {
+// Which query-side tensor-core kernel runs. A forced choice wins (tests cover both paths on
+// every shape; ChoiceFor rejected kRows with n > 32); the default picks rows where its union
+// walk cannot do more block steps than the padded per-position kernel (see
+// SelectedRowsMmaKernel).
+bool UseRowsKernel(const Choice& c, const Shape& s, int n, int num_blocks) {
+  if (c.fwd == Choice::Fwd::kRows) return true;
+  if (c.fwd == Choice::Fwd::kHeads) return false;
   if (n > 32) return false;  // ballot masks: at most 32 positions per warp (16 in practice)
-  const char* env = std::getenv("NSAD_SLC_KERNEL");
-  if (env != nullptr && std::strcmp(env, "rows") == 0) return true;
-  if (env != nullptr && std::strcmp(env, "heads") == 0) return false;
   const int hq = s.hq();
   return hq < 16 && (num_blocks <= 2 * n || 16 % hq == 0);
 }
@@ -251,9 +283,9 @@ template <typename scalar_t, int D, bool kDq>
 void LaunchSelectedQueryMma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor* dout, const at::Tensor* delta, at::Tensor& out,
                             const at::Tensor& lse, const Shape& s, const at::Tensor& block_idx,
-                            const Geo& g) {
+                            const Geo& g, const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3));
-  const bool rows = UseRowsKernel(s, n, (s.T + g.slc_block - 1) / g.slc_block);
+  const bool rows = UseRowsKernel(choice, s, n, (s.T + g.slc_block - 1) / g.slc_block);
   const int64_t work = rows ? (static_cast<int64_t>(s.T) * s.hq() + 15) / 16 : s.T;  // warps per (b, g)
   const dim3 grid(static_cast<unsigned>((work + mma::kWarps - 1) / mma::kWarps), s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
@@ -500,6 +532,7 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
                                                    const at::Tensor& block_idx, const Geo& g) {
   CheckSelected(q, k, v, block_idx, g);
   const Shape s = MakeShape(q, k);
+  const Choice choice = ChoiceFor(q, s, static_cast<int>(block_idx.size(3)));
   auto out = at::empty_like(q);
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
   const int rows = s.hq();
@@ -510,7 +543,8 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g);
+        LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g,
+                                                   choice);
       } else {
         Launch(AttnFwdKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
                FwdSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
@@ -529,6 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k);
   const int n = static_cast<int>(block_idx.size(3));
+  const Choice choice = ChoiceFor(q, s, n);
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
@@ -549,7 +584,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
   const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
   const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
-  const int qpc = QueriesPerCta();
+  const int qpc = QueriesPerCta(choice);
   const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
   const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
   const int64_t max_items = S + seg.numel() / qpc + 1;  // >= chunk_off[S]
@@ -568,7 +603,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g);
+        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g,
+                                                  choice);
       } else {
         Launch(AttnDqKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
                DqSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
@@ -578,17 +614,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       if (S > 0) {
         const dim3 kgrid(static_cast<unsigned>(max_items));
         if constexpr (!std::is_same_v<scalar_t, float>) {
-          const char* env = std::getenv("NSAD_SLC_DKDV");  // "old": the unstaged kernel (A/B)
-          const char* variant = std::getenv("NSAD_SLC_DKDV_VARIANT");
-          const auto is = [](const char* e, const char* name) { return e != nullptr && std::strcmp(e, name) == 0; };
           // D=64: 32 rows per step on a 3-CTA-per-SM register budget (168 registers, 28 bytes
           // of spill) measured 3-17% faster than 2 CTAs per SM (200 registers) on H100.
           auto kernel = SelectedDkDvStagedKernel<scalar_t, D, D == 64 ? 32 : 16, D == 64 ? 3 : 1>;
-          if constexpr (D == 64) {
-            if (is(variant, "r16x3")) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
-            if (is(variant, "r32x1")) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 1>;
+          using DkDv = Choice::DkDv;
+          if constexpr (D == 64) {  // other D: ChoiceFor let only kAuto and kUnstaged through
+            if (choice.dkdv == DkDv::kStaged16x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
+            if (choice.dkdv == DkDv::kStaged32x1) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 1>;
+            if (choice.dkdv == DkDv::kStaged32x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 3>;
           }
-          if (is(env, "old")) kernel = mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>;
+          if (choice.dkdv == DkDv::kUnstaged) kernel = mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>;
           kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),

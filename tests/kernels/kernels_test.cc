@@ -16,14 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <numeric>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "nsa/ops.h"
 #include "nsa_cuda.h"
+#include "selected_choice.h"
 
 namespace nsad::nsa {
 namespace {
@@ -121,30 +120,62 @@ void KernelsTest::CheckSelectedAttention() {
 
 TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) { CheckSelectedAttention(); }
 
-// The selected branch has several tensor-core kernels picked by shape or kept for A/B
-// measurements: forward/dQ per position (the group's heads as MMA rows) or over flattened
-// (position, head) rows walking the union of neighbours' blocks; dK/dV staged in shared
-// memory (three register budgets at D=64) or the unstaged kernel. The knobs force each so every
-// path is checked on every shape.
+// The selected branch has several kernels picked by shape or kept for A/B measurements:
+// forward/dQ per position (the group's heads as MMA rows) or over flattened (position, head)
+// rows walking the union of neighbours' blocks; dK/dV staged in shared memory (three
+// register budgets at D=64) or unstaged; and the dK/dV work split (queries per work item).
+// SelectedKernelChoice forces each, so every path is checked on every shape it applies to
+// (the kernel-forcing choices apply to bf16/fp16, the D=64 register budgets to D=64 only).
 TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
-  const std::vector<std::vector<std::pair<const char*, const char*>>> paths = {
-      {{"NSAD_SLC_KERNEL", "rows"}},
-      {{"NSAD_SLC_KERNEL", "heads"}, {"NSAD_SLC_DKDV", "old"}},
-      {{"NSAD_SLC_DKDV_VARIANT", "r16x3"}},
-      {{"NSAD_SLC_DKDV_VARIANT", "r32x1"}}};
-  for (const auto& env : paths) {
-    SCOPED_TRACE(std::string(env[0].first) + "=" + env[0].second);
-    struct Force {  // unset again even when a check fails
-      explicit Force(const std::vector<std::pair<const char*, const char*>>& e) : env(e) {
-        for (const auto& [name, value] : env) setenv(name, value, 1);
-      }
-      ~Force() {
-        for (const auto& kv : env) unsetenv(kv.first);
-      }
-      const std::vector<std::pair<const char*, const char*>>& env;
-    } force(env);
+  using Choice = cuda::detail::SelectedKernelChoice;
+  struct Path {
+    const char* name;
+    Choice choice;
+    bool tensor_cores_only, d64_only;
+  };
+  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc) {
+    Choice c;
+    c.fwd = fwd;
+    c.dkdv = dkdv;
+    c.queries_per_item = qpc;
+    return c;
+  };
+  const std::vector<Path> paths = {
+      {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
+      {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
+      {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
+      {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
+      // Short slices: many work items per block, one atomic add per slice.
+      {"24 queries per dkdv item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24), false, false}};
+  const Case c = GetParam();
+  for (const Path& path : paths) {
+    if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
+    if (path.d64_only && c.D != 64) continue;
+    SCOPED_TRACE(path.name);
+    const cuda::detail::ScopedSelectedKernelChoice force(path.choice);  // restored on failure too
     CheckSelectedAttention();
   }
+}
+
+// A forced kernel that cannot run on a call fails it rather than running another kernel.
+TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const Case c = GetParam();
+  Choice choice;
+  if (c.dtype == torch::kFloat) {
+    choice.fwd = Choice::Fwd::kRows;  // fp32 has the scalar kernels only
+  } else if (c.D != 64) {
+    choice.dkdv = Choice::DkDv::kStaged32x1;  // a D=64 build
+  } else {
+    choice.queries_per_item = 513;  // over the staged kernel's shared-memory positions
+  }
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  const cuda::detail::ScopedSelectedKernelChoice force(choice);
+  EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
 }
 
 TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) {
