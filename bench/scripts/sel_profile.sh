@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ncu details (speed of light, stalls, occupancy, hottest source lines) of the selected
-# kernels at the training shape. Needs a built nsa_bench in $BUILD_DIR.
+# kernels at the training shape, default kernel choice. Needs a built nsa_bench in $BUILD_DIR
+# (bench/scripts/sel_device.sh builds one). Usage: bench/scripts/sel_profile.sh OUT_DIR
 set -uo pipefail
 out=${1:-$OUT}
 nb=${BUILD_DIR:-/tmp/build-sel}/bench/nsa_bench
