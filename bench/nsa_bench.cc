@@ -3,9 +3,20 @@
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
 //   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
-//             [--reps 5] [--warmup 2]
+//             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
+//             [--slc-fwd auto|rows|heads] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
+//             [--slc-qpc N]
 //
-// bf16, batch 1, default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
+// --slc-only 1 times only the selected branch (forward, and its backward alone from saved
+// out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
+// (the union a query-tile kernel would stage), to size the selected kernels' work split.
+//
+// --slc-fwd / --slc-dkdv / --slc-qpc force the selected branch's forward/dQ kernel, dK/dV
+// kernel (staged register budgets rows x CTAs per SM are D=64 builds) and queries per dK/dV
+// work item (0 = auto) through SelectedKernelChoice (kernels/selected_choice.h), for A/B runs
+// in one binary; the default is the dispatch training uses. The choice is printed first.
+//
+// bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
 // matrix products only (4*D flops per query-head-key pair forward, 2.5x that forward+backward
 // as FlashAttention counts them), over the keys each branch really visits.
@@ -21,15 +32,40 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nsa/ops.h"
+#include "launchers.h"
 #include "nsa_cuda.h"
+#include "selected_choice.h"
 
 namespace {
 
 using nsad::nsa::Geometry;
 namespace nsa_cuda = nsad::nsa::cuda;
+
+using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
+constexpr std::pair<const char*, Choice::Fwd> kFwdNames[] = {
+    {"auto", Choice::Fwd::kAuto}, {"rows", Choice::Fwd::kRows}, {"heads", Choice::Fwd::kHeads}};
+constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
+    {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
+    {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
+    {"unstaged", Choice::DkDv::kUnstaged}};
+
+// Value of a name in a table like kFwdNames; false when the name is not there.
+template <typename E, size_t N>
+bool FromName(const std::pair<const char*, E> (&names)[N], const std::string& name, E& out) {
+  for (const auto& [n, e] : names)
+    if (name == n) return out = e, true;
+  return false;
+}
+template <typename E, size_t N>
+const char* NameOf(const std::pair<const char*, E> (&names)[N], E e) {
+  for (const auto& [n, v] : names)
+    if (v == e) return n;
+  return "?";
+}
 
 double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -71,6 +107,23 @@ std::vector<int64_t> ParseList(const char* s) {
   return out;
 }
 
+// Mean number of distinct selected blocks over tiles of `tile` consecutive positions of one
+// (batch, group); idx [B,T,G,n] with -1 for unused slots.
+double MeanUnion(const torch::Tensor& idx, int64_t NS, int64_t tile) {
+  const int64_t B = idx.size(0), T = idx.size(1), G = idx.size(2);
+  const int64_t tiles = (T + tile - 1) / tile;
+  auto onehot = torch::zeros({B, tiles * tile, G, NS + 1}, idx.options().dtype(torch::kBool));
+  auto ix = torch::where(idx >= 0, idx, torch::full({}, NS, idx.options())).to(torch::kLong);
+  onehot.slice(1, 0, T).scatter_(3, ix, true);
+  auto u = onehot.slice(3, 0, NS).reshape({B, tiles, tile, G, NS}).any(2).sum(-1);
+  return u.to(torch::kDouble).mean().item<double>();
+}
+
+nsad::nsa::cuda::detail::Geo ToGeo(const Geometry& g) {
+  return {static_cast<int>(g.cmp_block), static_cast<int>(g.cmp_stride), static_cast<int>(g.slc_block),
+          static_cast<int>(g.top_n), static_cast<int>(g.window)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,6 +132,9 @@ int main(int argc, char** argv) {
   struct Heads { int64_t H, G; };
   std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
   int reps = 5, warmup = 2;
+  int64_t batch = 1;
+  bool slc_only = false;
+  Choice choice;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -95,12 +151,39 @@ int main(int argc, char** argv) {
     }
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::atoll(argv[i + 1]);
+    else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--slc-fwd") {
+      if (!FromName(kFwdNames, argv[i + 1], choice.fwd)) {
+        std::fprintf(stderr, "--slc-fwd takes auto|rows|heads\n");
+        return 2;
+      }
+    } else if (a == "--slc-dkdv") {
+      if (!FromName(kDkDvNames, argv[i + 1], choice.dkdv)) {
+        std::fprintf(stderr, "--slc-dkdv takes auto|staged16x3|staged32x1|staged32x3|unstaged\n");
+        return 2;
+      }
+    } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
+  }
+  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged;
+  if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
+    std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n",
+                 NameOf(kDkDvNames, choice.dkdv));
+    return 2;
+  }
+  if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
+    std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..512\n");
+    return 2;
   }
   if (!torch::cuda::is_available() || !nsa_cuda::Available()) {
     std::fprintf(stderr, "nsa_bench needs a CUDA GPU the kernels were built for\n");
     return 1;
   }
+  nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
+  std::printf("# selected kernels: fwd %s, dkdv %s, queries per dkdv item %d%s\n",
+              NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), choice.queries_per_item,
+              choice.queries_per_item == 0 ? " (auto)" : "");
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   // Dense baseline must be FlashAttention: leave SDPA no other backend to fall back to.
   auto& ctx = at::globalContext();
@@ -112,6 +195,41 @@ int main(int argc, char** argv) {
   const Geometry geo;
   const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
 
+  if (slc_only) {
+    std::printf("%3s %6s %4s %6s | %9s %9s | %7s %7s %7s %7s\n", "B", "seq", "D", "H:G", "slc_f", "slc_b",
+                "sel/pos", "u16", "u32", "u64");
+    for (const int64_t T : seqs) {
+      for (const int64_t D : dims) {
+        for (const Heads hc : head_cfgs) {
+          const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo), B = batch;
+          const int64_t NS = nsad::nsa::NumSlcBlocks(T, geo);
+          torch::manual_seed(T + D + H);
+          auto q = torch::randn({B, T, H, D}, opts), k = torch::randn({B, T, G, D}, opts),
+               v = torch::randn({B, T, G, D}, opts);
+          auto kc = torch::randn({B, N, G, D}, opts), vc = torch::randn({B, N, G, D}, opts);
+          auto grad = torch::randn({B, T, H, D}, opts);
+          auto idx = nsa_cuda::SelectBlocks(nsa_cuda::CompressedAttention(q, kc, vc, geo).importance, T, geo);
+          namespace detail = nsad::nsa::cuda::detail;
+          std::tuple<at::Tensor, at::Tensor> fwd;
+          const double slc_f = MedianMs([&] { fwd = detail::SelectedForward(q, k, v, idx, ToGeo(geo)); },
+                                        warmup, reps);
+          const at::Tensor out = std::get<0>(fwd), lse = std::get<1>(fwd);
+          const double slc_b = MedianMs(
+              [&] { detail::SelectedBackward(grad, q, k, v, out, lse, idx, ToGeo(geo)); }, warmup, reps);
+          const double sel = (idx >= 0).sum().item<double>() / static_cast<double>(B * T * G);
+          char heads[16];
+          std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
+          std::printf("%3lld %6lld %4lld %6s | %9.3f %9.3f | %7.2f %7.2f %7.2f %7.2f\n",
+                      static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(D), heads,
+                      slc_f, slc_b, sel, MeanUnion(idx, NS, 16), MeanUnion(idx, NS, 32),
+                      MeanUnion(idx, NS, 64));
+          std::fflush(stdout);
+        }
+      }
+    }
+    return 0;
+  }
+
   std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
               "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
               "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win");
@@ -121,10 +239,11 @@ int main(int argc, char** argv) {
       for (const Heads hc : head_cfgs) {
         const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo);
         torch::manual_seed(T + D + H);
-        auto q = torch::randn({1, T, H, D}, opts), k = torch::randn({1, T, G, D}, opts),
-             v = torch::randn({1, T, G, D}, opts);
-        auto kc = torch::randn({1, N, G, D}, opts), vc = torch::randn({1, N, G, D}, opts);
-        auto grad = torch::randn({1, T, H, D}, opts);
+        const int64_t B = batch;
+        auto q = torch::randn({B, T, H, D}, opts), k = torch::randn({B, T, G, D}, opts),
+             v = torch::randn({B, T, G, D}, opts);
+        auto kc = torch::randn({B, N, G, D}, opts), vc = torch::randn({B, N, G, D}, opts);
+        auto grad = torch::randn({B, T, H, D}, opts);
 
         // Dense causal flash, BHTD views of the same data.
         auto dense_fwd = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
@@ -168,8 +287,8 @@ int main(int argc, char** argv) {
             },
             warmup, reps);
 
-        const double flop_d = 4.0 * D * H * pairs.dense;
-        const double flop_n = 4.0 * D * H * (pairs.cmp + pairs.slc + pairs.win);
+        const double flop_d = 4.0 * D * H * B * pairs.dense;
+        const double flop_n = 4.0 * D * H * B * (pairs.cmp + pairs.slc + pairs.win);
         char heads[16];
         std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
         std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f\n",

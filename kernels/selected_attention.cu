@@ -1,30 +1,83 @@
 // Selected-block attention (NSA section 3.3.2), forward and backward.
 //
-// Forward and dQ are group-centric: one CTA per (batch, position, group) stages each of the
-// position's selected KV blocks in shared memory once and serves all H/G query heads of the
-// group from it (online softmax over the blocks, no K/V expansion).
+// bf16/fp16 inputs run on tensor cores (mma_tile.cuh); fp32 inputs keep the scalar kernels
+// of attention_tile.cuh.
+//
+// Forward and dQ are query-centric, two kernels picked by shape (UseRowsKernel):
+//   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
+//     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
+//     consecutive positions share a CTA so their common blocks come from L1.
+//   * flattened rows (SelectedRowsMmaKernel): one warp per 16 consecutive (position, head)
+//     rows of a (b, g), walking the union of the blocks those positions chose with a
+//     per-row mask. No padded rows; it wins whenever neighbours share their blocks (short
+//     sequences: every position below n * l' selects all its causal blocks) and loses a
+//     little at 64k with H/G = 6 and unrelated selections (measured, see PERFORMANCE.md).
 //
 // dK/dV are key-centric: the block index map is inverted on the GPU (a stable sort of
 // (batch, group, block) keys, so each block's query list comes out in position order), and
 // one CTA per (block, slice of at most kQueriesPerCta of its queries) accumulates dK/dV of
-// the block in registers. Block 0 and the local blocks are chosen by every query, so a block
-// can have up to T queries; slicing the lists keeps the grid balanced at the price of one
-// float32 atomic add per key element per slice (not per query) when a list is split.
+// the block in registers, its query rows staged in shared memory with cp.async one step
+// ahead (SelectedDkDvStagedKernel). Block 0 and the local blocks are chosen by every query,
+// so a block can have up to T queries; slicing the lists keeps the grid balanced at the
+// price of one float32 atomic add per key element per slice (not per query).
 //
-// bf16/fp16 inputs run the forward and dQ on tensor cores (mma_tile.cuh): one warp per
-// (batch, position, group) with the group's heads as the 16 MMA rows, K/V fragments loaded
-// straight from L2 with 16-byte loads; four consecutive positions of one group share a CTA,
-// so the blocks they have in common (block 0, the local blocks, ...) are served from L1.
-// fp32 inputs keep the scalar kernels of attention_tile.cuh.
+// Tests and benchmarks force a forward/dQ kernel, a dK/dV kernel or register budget, and the
+// queries per dK/dV work item through SelectedKernelChoice (selected_choice.h), read once per
+// call; the default (all auto) is the dispatch below. kernels_test forces every path.
+#include <algorithm>
+#include <climits>
+#include <mutex>
 #include <type_traits>
 
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
+#include "selected_choice.h"
 
 namespace nsad::nsa::cuda::detail {
+
+namespace {
+std::mutex choice_mutex;
+SelectedKernelChoice choice_state;  // guarded by choice_mutex
+}  // namespace
+
+void SetSelectedKernelChoiceForTesting(const SelectedKernelChoice& choice) {
+  std::lock_guard<std::mutex> lock(choice_mutex);
+  choice_state = choice;
+}
+
+SelectedKernelChoice GetSelectedKernelChoice() {
+  std::lock_guard<std::mutex> lock(choice_mutex);
+  return choice_state;
+}
+
 namespace {
 
-constexpr int kQueriesPerCta = 64;
+constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
+constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
+
+using Choice = SelectedKernelChoice;
+
+// Reads the process-wide choice once for a call and rejects what this call cannot run, so a
+// forced kernel is never replaced by another one without notice.
+Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
+  const Choice c = GetSelectedKernelChoice();
+  TORCH_CHECK(c.queries_per_item >= 0 && c.queries_per_item <= kMaxQueriesPerCta,
+              "SelectedKernelChoice: queries_per_item must be 0 (auto) or 1..", kMaxQueriesPerCta,
+              ", got ", c.queries_per_item);
+  if (q.scalar_type() == at::kFloat) {
+    TORCH_CHECK(c.fwd == Choice::Fwd::kAuto && c.dkdv == Choice::DkDv::kAuto,
+                "SelectedKernelChoice: fp32 inputs run the scalar kernels; only kAuto applies");
+  }
+  TORCH_CHECK(c.fwd != Choice::Fwd::kRows || n <= 32,
+              "SelectedKernelChoice: the rows kernel needs top_n <= 32, got ", n);
+  TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
+              "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
+              " takes kAuto or kUnstaged");
+  return c;
+}
+
+// Queries per dK/dV work item.
+int QueriesPerCta(const Choice& c) { return c.queries_per_item > 0 ? c.queries_per_item : kQueriesPerCta; }
 
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
 template <typename scalar_t, int D, bool kDq>
@@ -99,16 +152,146 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
+// Forward (and, with kDq, dQ) over flattened (position, head) rows: each warp takes 16
+// consecutive rows of one (b, g), i.e. ceil(16 / hq) or so positions, and walks the UNION of
+// the blocks those positions selected (a merge of their ascending lists), masking per row
+// the blocks its own position did not select. With hq < 16 heads per group the per-position
+// kernel above pads the MMA rows (hq = 6: 10 of 16 rows wasted); this one fills them, which
+// pays whenever neighbouring positions share most blocks (short sequences: every position
+// below n * l' selects all its causal blocks), or when the warp spans whole positions
+// (16 % hq == 0: the union is at most what the padded kernel would do anyway).
+template <typename scalar_t, int D, bool kDq>
+__global__ void __launch_bounds__(mma::kMmaThreads)
+    SelectedRowsMmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                          const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                          const float* __restrict__ delta, scalar_t* __restrict__ out,
+                          float* __restrict__ lse, Shape s, const int* __restrict__ block_idx,
+                          int n, int slc_block, float scale_log2, float dq_scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kN = kDq ? mma::KeysPerStep<D>() / 2 : mma::KeysPerStep<D>();
+  const int lane = threadIdx.x & 31, hq = s.hq();
+  const int total = s.T * hq;  // flattened rows of this (b, g)
+  const int r0 = (static_cast<int>(blockIdx.x) * mma::kWarps + static_cast<int>(threadIdx.x >> 5)) * 16;
+  if (r0 >= total) return;  // whole warps
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int p_lo = r0 / hq, p_hi = min(r0 + 15, total - 1) / hq;  // positions spanned (<= 16)
+  int t[2], pos_rel[2];
+  bool valid[2];
+  int64_t row_index[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rho = r0 + (lane >> 2) + 8 * half;
+    valid[half] = rho < total;
+    t[half] = valid[half] ? rho / hq : p_hi;
+    pos_rel[half] = valid[half] ? t[half] - p_lo : 31;  // bit 31 of the selection mask is never set
+    row_index[half] = (static_cast<int64_t>(b) * s.T + t[half]) * s.H + grp * hq + (valid[half] ? rho % hq : 0);
+  }
+  mma::RowFrag<D> qa, qb;
+  mma::LoadRow<D>(qa, valid[0] ? q + row_index[0] * s.D : nullptr, lane);
+  mma::LoadRow<D>(qb, valid[1] ? q + row_index[1] * s.D : nullptr, lane);
+  const int64_t stride = static_cast<int64_t>(s.G) * s.D;
+
+  // Lane p < npos walks the list of position p_lo + p; head = its next block (INT_MAX: done).
+  // Unused (-1) slots are skipped wherever they are; a block listed twice is visited twice,
+  // like the per-position kernel does.
+  const int npos = p_hi - p_lo + 1;
+  const int* list = block_idx + ((static_cast<int64_t>(b) * s.T + p_lo + min(lane, npos - 1)) * s.G + grp) * n;
+  int ptr = lane < npos ? 0 : n;
+  const auto next_head = [&]() {
+    while (ptr < n) {
+      const int x = list[ptr];
+      if (x >= 0) return x;
+      ++ptr;
+    }
+    return INT_MAX;
+  };
+  int head = next_head();
+  const unsigned all_pos = (1u << npos) - 1;  // npos <= 16
+
+  // Runs step(start, count, allowed) over every key step of the union of blocks.
+  const auto walk = [&](auto&& step) {
+    for (;;) {
+      const int blk = __reduce_min_sync(0xffffffffu, head);
+      if (blk == INT_MAX) break;
+      const unsigned sel = __ballot_sync(0xffffffffu, head == blk);  // positions that chose blk
+      if (head == blk) {
+        ++ptr;
+        head = next_head();
+      }
+      const int end = min(min(blk * slc_block + slc_block, s.T), p_hi + 1);
+      const bool row_sel[2] = {((sel >> pos_rel[0]) & 1u) != 0, ((sel >> pos_rel[1]) & 1u) != 0};
+      const bool all_sel = (sel & all_pos) == all_pos;
+      for (int start = blk * slc_block; start < end; start += kN) {
+        if (all_sel && start + kN <= min(end, p_lo + 1)) {
+          // Every row chose the block and sees the whole step (the common case when the
+          // positions share their blocks): a literal count and no mask, so the inlined step
+          // drops all per-key checks. Rows past the end have Q = 0 and are never stored.
+          step(start, std::integral_constant<int, kN>{}, [](int, int) { return true; });
+        } else {
+          const int lim[2] = {t[0] - start, t[1] - start};  // causal: step-relative key <= t
+          step(start, min(kN, end - start),
+               [&](int half, int key) { return row_sel[half] && key <= lim[half]; });
+        }
+      }
+    }
+  };
+
+  if constexpr (!kDq) {
+    mma::FwdState<D> st;
+    st.Init();
+    walk([&](int start, auto count, auto allowed) {
+      mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp), v + KeyOffset(s, b, start, grp),
+                                 stride, count, scale_log2, allowed, lane);
+    });
+    scalar_t* const out_row[2] = {valid[0] ? out + row_index[0] * s.D : nullptr,
+                                  valid[1] ? out + row_index[1] * s.D : nullptr};
+    float* const lse_row[2] = {lse + row_index[0], lse + row_index[1]};
+    mma::FwdFinish<kBf16, D>(st, out_row, lse_row, lane);
+  } else {
+    mma::RowFrag<D> da, db;
+    mma::LoadRow<D>(da, valid[0] ? dout + row_index[0] * s.D : nullptr, lane);
+    mma::LoadRow<D>(db, valid[1] ? dout + row_index[1] * s.D : nullptr, lane);
+    const float row_lse[2] = {valid[0] ? lse[row_index[0]] : INFINITY, valid[1] ? lse[row_index[1]] : INFINITY};
+    const float row_delta[2] = {valid[0] ? delta[row_index[0]] : 0.f, valid[1] ? delta[row_index[1]] : 0.f};
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    walk([&](int start, auto count, auto allowed) {
+      mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
+                                v + KeyOffset(s, b, start, grp), stride, count, scale_log2, row_lse,
+                                row_delta, allowed, lane);
+    });
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (valid[half]) mma::StoreRow<kBf16, D>(out + row_index[half] * s.D, acc, half, dq_scale, lane);
+  }
+}
+
+// Which query-side tensor-core kernel runs. A forced choice wins (tests cover both paths on
+// every shape; ChoiceFor rejected kRows with n > 32); the default picks rows where its union
+// walk cannot do more block steps than the padded per-position kernel (see
+// SelectedRowsMmaKernel).
+bool UseRowsKernel(const Choice& c, const Shape& s, int n, int num_blocks) {
+  if (c.fwd == Choice::Fwd::kRows) return true;
+  if (c.fwd == Choice::Fwd::kHeads) return false;
+  if (n > 32) return false;  // ballot masks: at most 32 positions per warp (16 in practice)
+  const int hq = s.hq();
+  return hq < 16 && (num_blocks <= 2 * n || 16 % hq == 0);
+}
+
 template <typename scalar_t, int D, bool kDq>
 void LaunchSelectedQueryMma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor* dout, const at::Tensor* delta, at::Tensor& out,
                             const at::Tensor& lse, const Shape& s, const at::Tensor& block_idx,
-                            const Geo& g) {
-  const dim3 grid((s.T + mma::kWarps - 1) / mma::kWarps, s.G, s.B);
+                            const Geo& g, const Choice& choice) {
+  const int n = static_cast<int>(block_idx.size(3));
+  const bool rows = UseRowsKernel(choice, s, n, (s.T + g.slc_block - 1) / g.slc_block);
+  const int64_t work = rows ? (static_cast<int64_t>(s.T) * s.hq() + 15) / 16 : s.T;  // warps per (b, g)
+  const dim3 grid(static_cast<unsigned>((work + mma::kWarps - 1) / mma::kWarps), s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  SelectedQueryMmaKernel<scalar_t, D, kDq>
-      <<<grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  auto kernel = rows ? SelectedRowsMmaKernel<scalar_t, D, kDq> : SelectedQueryMmaKernel<scalar_t, D, kDq>;
+  kernel<<<grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
           dout ? dout->data_ptr<scalar_t>() : nullptr, delta ? delta->data_ptr<float>() : nullptr,
           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, block_idx.data_ptr<int>(),
@@ -137,26 +320,22 @@ struct SelectedQueryPolicy {
 
 struct SelectedKeyPolicy {
   const int64_t* chunk_off;  // [S+1]: first work item of each (b, g, block) segment
+  const int* item_seg;       // [grid]: the segment of each work item (one load, not a search)
   const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_t
   const int* sorted_t;       // query positions, grouped by segment, ascending inside
-  int num_segments, NS, slc_block;
+  int num_segments, NS, slc_block, queries_per_cta;
 
   __device__ KeyWork Work(const Shape& s) const {
     KeyWork w{};
     const int64_t item = blockIdx.x;
     if (item >= chunk_off[num_segments]) return w;  // grid is an upper bound
-    int lo = 0, hi = num_segments - 1;              // last segment with chunk_off <= item
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (chunk_off[mid] <= item) lo = mid; else hi = mid - 1;
-    }
-    const int seg = lo;
-    const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * kQueriesPerCta;
+    const int seg = item_seg[item];                 // last segment with chunk_off <= item
+    const int64_t first = seg_off[seg] + (item - chunk_off[seg]) * queries_per_cta;
     const int blk = seg % NS, bg = seg / NS;
     w.b = bg / s.G;
     w.g = bg % s.G;
     w.keys = {blk * slc_block, min(slc_block, s.T - blk * slc_block)};
-    w.num_queries = static_cast<int>(min(static_cast<int64_t>(kQueriesPerCta), seg_off[seg + 1] - first));
+    w.num_queries = static_cast<int>(min(static_cast<int64_t>(queries_per_cta), seg_off[seg + 1] - first));
     w.query_base = first;
     w.valid = true;
     return w;
@@ -164,6 +343,171 @@ struct SelectedKeyPolicy {
   __device__ int Query(const KeyWork& w, int i) const { return sorted_t[w.query_base + i]; }
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
 };
+
+// ---------------------------------------------------------------------------------------
+// dK/dV with the CTA's query rows staged in shared memory (cp.async, double-buffered).
+// Same work split and math as mma::DkDvMmaKernel (each warp owns 16 keys of the block as MMA
+// rows and walks the CTA's flattened (position, head) rows kR at a time), but the rows of
+// the next step (Q, dO, lse, delta) are copied into shared memory while the current one is
+// computed, once for the four warps, instead of each warp loading them from L2 right before
+// use: the old kernel spent most of its time waiting on those loads (two dependent gathers
+// per step for lse/delta, at 8 warps per SM).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// 2^x on the SFU (ex2.approx, relative error ~2^-22): exp2f's slow-path handling costs more
+// instructions than the rest of the per-element softmax here.
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
+// chunk ch ^ 4*(r & 1), so the 8 lanes of a quarter-warp (rows 2m, 2m+1, chunks 4i..4i+3)
+// hit all 32 banks once when they read their RowFrag pieces.
+__device__ __forceinline__ int SwizzledChunk(int r, int ch) { return ch ^ ((r & 1) << 2); }
+
+template <int D, typename scalar_t>
+__device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t* tile, int r, int lane) {
+  const uint4* row = reinterpret_cast<const uint4*>(tile + r * D);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
+}
+
+// kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
+// Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 2 at D=128 (more would spill
+// heavily); NSAD_SLC_DKDV_VARIANT=r16x3|r32x1 picks another D=64 build (A/B knob).
+template <typename scalar_t, int D, int kR, int kMinCtas>
+__global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
+    SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                             const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                             const float* __restrict__ lse, const float* __restrict__ delta,
+                             float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
+                             SelectedKeyPolicy pol, float scale) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  __shared__ int pos[kMaxQueriesPerCta];
+  __shared__ alignas(16) scalar_t q_s[2][kR * D];
+  __shared__ alignas(16) scalar_t do_s[2][kR * D];
+  // Per staged row: lse, delta, position (-1 past the end) as float bits, unused. One
+  // 16-byte load gives a C column everything its softmax/mask needs.
+  __shared__ float4 meta[2][kR];
+
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq(), total = w.num_queries * hq;  // flattened (position, head) rows
+  for (int i = threadIdx.x; i < w.num_queries; i += mma::kMmaThreads) pos[i] = pol.Query(w, i);
+  __syncthreads();
+
+  const auto stage = [&](int r0, int buf) {
+    for (int e = threadIdx.x; e < kR * kChunks; e += mma::kMmaThreads) {
+      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
+      const bool ok = rho < total;  // rows past the end are zero-filled
+      const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
+      const int dst = r * D + SwizzledChunk(r, ch) * 8;
+      CpAsync16(&q_s[buf][dst], q + off, ok);
+      CpAsync16(&do_s[buf][dst], dout + off, ok);
+    }
+    if (threadIdx.x < kR) {
+      const int rho = r0 + threadIdx.x;
+      const bool ok = rho < total;
+      const int t = ok ? pos[rho / hq] : -1;
+      const int64_t row = ok ? (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq : 0;
+      CpAsync4(&meta[buf][threadIdx.x].x, lse + row, ok);
+      CpAsync4(&meta[buf][threadIdx.x].y, delta + row, ok);
+      meta[buf][threadIdx.x].z = __int_as_float(t);  // read after the step's barrier
+    }
+    CpAsyncCommit();
+  };
+
+  const int key_lo = 16 * warp;
+  const bool active = key_lo < w.keys.count;  // warp-uniform; idle warps still stage
+  const float scale_log2 = scale * kLog2e;
+  int key[2];
+  bool key_ok[2];
+  mma::RowFrag<D> ka, kb, va, vb;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    key[half] = w.keys.start + key_lo + g + 8 * half;
+    key_ok[half] = key_lo + g + 8 * half < w.keys.count;
+  }
+  // key <= t is the whole mask: padding keys never pass it, nor rows past the end (t = -1).
+  const int key_cut[2] = {key_ok[0] ? key[0] : INT_MAX, key_ok[1] ? key[1] : INT_MAX};
+  mma::LoadRow<D>(ka, key_ok[0] ? k + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  mma::LoadRow<D>(kb, key_ok[1] ? k + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  mma::LoadRow<D>(va, key_ok[0] ? v + KeyOffset(s, w.b, key[0], w.g) : nullptr, lane);
+  mma::LoadRow<D>(vb, key_ok[1] ? v + KeyOffset(s, w.b, key[1], w.g) : nullptr, lane);
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  }
+
+  stage(0, 0);
+  for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
+    if (r0 + kR < total) {
+      stage(r0 + kR, buf ^ 1);  // the buffer the previous step read; freed by its barrier
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();
+    if (active) {
+      mma::RowFrag<D> qr[kR / 8], dr[kR / 8];
+      float st[kR / 8][4], dpt[kR / 8][4];
+#pragma unroll
+      for (int j = 0; j < kR / 8; ++j) {
+        LoadRowShared<D>(qr[j], q_s[buf], 8 * j + g, lane);
+        LoadRowShared<D>(dr[j], do_s[buf], 8 * j + g, lane);
+        st[j][0] = st[j][1] = st[j][2] = st[j][3] = 0.f;
+        dpt[j][0] = dpt[j][1] = dpt[j][2] = dpt[j][3] = 0.f;
+        mma::QKTile<kBf16, D>(st[j], ka, kb, qr[j]);
+        mma::QKTile<kBf16, D>(dpt[j], va, vb, dr[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kR / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float4 m = meta[buf][8 * j + 2 * c + e];  // this C column's query row
+          const int t = __float_as_int(m.z);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float p = key_cut[half] <= t ? Exp2(st[j][2 * half + e] * scale_log2 - m.x) : 0.f;
+            st[j][2 * half + e] = p;
+            dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - m.y);  // dS^T
+          }
+        }
+      }
+      mma::PRTile<kBf16, D, kR>(dv, st, dr);
+      mma::PRTile<kBf16, D, kR>(dk, dpt, qr);
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!key_ok[half]) continue;
+    const int64_t off = KeyOffset(s, w.b, key[half], w.g);
+    mma::AtomicAddRow<D>(dk_acc + off, dk, half, scale, lane);
+    mma::AtomicAddRow<D>(dv_acc + off, dv, half, 1.f, lane);
+  }
+}
 
 void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& block_idx, const Geo& g) {
@@ -188,6 +532,7 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
                                                    const at::Tensor& block_idx, const Geo& g) {
   CheckSelected(q, k, v, block_idx, g);
   const Shape s = MakeShape(q, k);
+  const Choice choice = ChoiceFor(q, s, static_cast<int>(block_idx.size(3)));
   auto out = at::empty_like(q);
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
   const int rows = s.hq();
@@ -198,7 +543,8 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g);
+        LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g,
+                                                   choice);
       } else {
         Launch(AttnFwdKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
                FwdSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
@@ -217,6 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k);
   const int n = static_cast<int>(block_idx.size(3));
+  const Choice choice = ChoiceFor(q, s, n);
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
@@ -227,26 +574,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   // Invert the block map: segment id (b, g, block) per entry, unused slots sorted last.
   const auto lopts = block_idx.options().dtype(at::kLong);
   const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
-  const auto idx = block_idx.to(at::kLong);
-  const auto bs = at::arange(s.B, lopts).view({s.B, 1, 1, 1});
-  const auto gs = at::arange(s.G, lopts).view({1, 1, s.G, 1});
-  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, lopts)).flatten();
+  // 32-bit segment ids whenever they fit: the radix sort then makes 4 passes instead of 8.
+  const auto kopts = block_idx.options().dtype(S < INT_MAX ? at::kInt : at::kLong);
+  const auto idx = block_idx.to(kopts.dtype());
+  const auto bs = at::arange(s.B, kopts).view({s.B, 1, 1, 1});
+  const auto gs = at::arange(s.G, kopts).view({1, 1, s.G, 1});
+  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, kopts)).flatten();
   const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
-  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, lopts));
+  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
   const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
-  const auto chunks = (counts + (kQueriesPerCta - 1)).div(kQueriesPerCta, "floor");
+  const int qpc = QueriesPerCta(choice);
+  const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
   const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
-  const int64_t max_items = S + seg.numel() / kQueriesPerCta + 1;  // >= chunk_off[S]
-  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), seg_off.data_ptr<int64_t>(),
-                               sorted_t.data_ptr<int>(), static_cast<int>(S), NS, g.slc_block};
+  const int64_t max_items = S + seg.numel() / qpc + 1;  // >= chunk_off[S]
+  // Segment of each work item: a CTA then starts with one load instead of a 10-step binary
+  // search of dependent L2 loads. Items past chunk_off[S] are never read (Work() checks).
+  const auto item_seg =
+      (at::searchsorted(chunk_off, at::arange(max_items, lopts), /*out_int32=*/true, /*right=*/true) - 1)
+          .clamp_min(0);
+  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), item_seg.data_ptr<int>(),
+                               seg_off.data_ptr<int64_t>(), sorted_t.data_ptr<int>(),
+                               static_cast<int>(S), NS,
+                               g.slc_block, qpc};
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
   const int rows = s.hq();
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_bwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g);
+        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g,
+                                                  choice);
       } else {
         Launch(AttnDqKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
                DqSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
@@ -256,8 +614,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       if (S > 0) {
         const dim3 kgrid(static_cast<unsigned>(max_items));
         if constexpr (!std::is_same_v<scalar_t, float>) {
-          mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>
-              <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          // D=64: 32 rows per step on a 3-CTA-per-SM register budget (168 registers, 28 bytes
+          // of spill) measured 3-17% faster than 2 CTAs per SM (200 registers) on H100.
+          auto kernel = SelectedDkDvStagedKernel<scalar_t, D, D == 64 ? 32 : 16, D == 64 ? 3 : 1>;
+          using DkDv = Choice::DkDv;
+          if constexpr (D == 64) {  // other D: ChoiceFor let only kAuto and kUnstaged through
+            if (choice.dkdv == DkDv::kStaged16x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
+            if (choice.dkdv == DkDv::kStaged32x1) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 1>;
+            if (choice.dkdv == DkDv::kStaged32x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 3>;
+          }
+          if (choice.dkdv == DkDv::kUnstaged) kernel = mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>;
+          kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
                   dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);

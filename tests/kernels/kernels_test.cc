@@ -22,6 +22,7 @@
 
 #include "nsa/ops.h"
 #include "nsa_cuda.h"
+#include "selected_choice.h"
 
 namespace nsad::nsa {
 namespace {
@@ -88,10 +89,12 @@ class KernelsTest : public testing::TestWithParam<Case> {
     EXPECT_LT(err_norm / ref_norm, Tolerance()) << what << " relative error";
   }
 
+  void CheckSelectedAttention();
+
   Geometry geo_;
 };
 
-TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) {
+void KernelsTest::CheckSelectedAttention() {
   const Case c = GetParam();
   const int64_t NS = NumSlcBlocks(c.T, geo_);
   auto q = Random({kBatch, c.T, c.H, c.D});
@@ -113,6 +116,66 @@ TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) {
   ExpectClose(q.grad(), q32.grad(), "dq");
   ExpectClose(k.grad(), k32.grad(), "dk");
   ExpectClose(v.grad(), v32.grad(), "dv");
+}
+
+TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) { CheckSelectedAttention(); }
+
+// The selected branch has several kernels picked by shape or kept for A/B measurements:
+// forward/dQ per position (the group's heads as MMA rows) or over flattened (position, head)
+// rows walking the union of neighbours' blocks; dK/dV staged in shared memory (three
+// register budgets at D=64) or unstaged; and the dK/dV work split (queries per work item).
+// SelectedKernelChoice forces each, so every path is checked on every shape it applies to
+// (the kernel-forcing choices apply to bf16/fp16, the D=64 register budgets to D=64 only).
+TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  struct Path {
+    const char* name;
+    Choice choice;
+    bool tensor_cores_only, d64_only;
+  };
+  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc) {
+    Choice c;
+    c.fwd = fwd;
+    c.dkdv = dkdv;
+    c.queries_per_item = qpc;
+    return c;
+  };
+  const std::vector<Path> paths = {
+      {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
+      {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
+      {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
+      {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
+      // Short slices: many work items per block, one atomic add per slice.
+      {"24 queries per dkdv item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24), false, false}};
+  const Case c = GetParam();
+  for (const Path& path : paths) {
+    if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
+    if (path.d64_only && c.D != 64) continue;
+    SCOPED_TRACE(path.name);
+    const cuda::detail::ScopedSelectedKernelChoice force(path.choice);  // restored on failure too
+    CheckSelectedAttention();
+  }
+}
+
+// A forced kernel that cannot run on a call fails it rather than running another kernel.
+TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const Case c = GetParam();
+  Choice choice;
+  if (c.dtype == torch::kFloat) {
+    choice.fwd = Choice::Fwd::kRows;  // fp32 has the scalar kernels only
+  } else if (c.D != 64) {
+    choice.dkdv = Choice::DkDv::kStaged32x1;  // a D=64 build
+  } else {
+    choice.queries_per_item = 513;  // over the staged kernel's shared-memory positions
+  }
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  const cuda::detail::ScopedSelectedKernelChoice force(choice);
+  EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
 }
 
 TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) {
