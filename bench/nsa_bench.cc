@@ -2,14 +2,23 @@
 // branch, sliding window) against dense causal FlashAttention (PyTorch SDPA, flash backend
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
-//   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
-//             [--reps 5] [--warmup 2]
+//   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
+//             [--batch 1] [--reps 5] [--warmup 2]
 //
-// bf16, batch 1, default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
+// bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
 // matrix products only (4*D flops per query-head-key pair forward, 2.5x that forward+backward
 // as FlashAttention counts them), over the keys each branch really visits.
 // The compression MLP producing k_cmp/v_cmp and the output gates are not part of the timing.
+//
+// Second dense baseline (cudnn_f / cudnn_fb): the same SDPA call with only the cuDNN backend
+// enabled. When cuDNN rejects GQA (enable_gqa), K/V are expanded to H heads before the timed
+// region and the times are marked '*'; '-' when cuDNN attention is unavailable.
+// GB/s_n: bytes the NSA forward must move at least, over its time: every branch reads Q and
+// writes its output and lse; compressed reads each K/V block once per group and writes the
+// importance, selection reads the importance and writes the indices, selected reads the K/V
+// blocks of each (position, group) (16 blocks of l' rows: no reuse across positions assumed),
+// the window reads each key/value once per group.
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
@@ -63,6 +72,24 @@ PairCounts CountPairs(int64_t T, const Geometry& g) {
   return p;
 }
 
+// Minimum bytes of one NSA forward (see the header comment), bf16 activations.
+double NsaBytes(int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, const Geometry& g) {
+  const double e = 2.0;  // bytes per bf16 element
+  const int64_t N = nsad::nsa::NumCmpBlocks(T, g), NS = nsad::nsa::NumSlcBlocks(T, g);
+  const double q_rows = static_cast<double>(B) * T * H;
+  const double per_branch_q_out = q_rows * (2.0 * D * e + 4.0);  // read Q, write out + lse
+  const double cmp = per_branch_q_out + 2.0 * B * N * G * D * e + 4.0 * B * T * G * NS;
+  const double select = 4.0 * B * T * G * NS + 4.0 * B * T * G * g.top_n;
+  double slc_rows = 0;  // key rows visited per (b, t, g)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blocks = std::min<int64_t>(g.top_n, t / g.slc_block + 1);
+    slc_rows += (blocks - 1) * g.slc_block + (t % g.slc_block) + 1;
+  }
+  const double slc = per_branch_q_out + 2.0 * B * G * slc_rows * D * e;
+  const double win = per_branch_q_out + 2.0 * B * T * G * D * e;
+  return cmp + select + slc + win;
+}
+
 std::vector<int64_t> ParseList(const char* s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
@@ -71,10 +98,70 @@ std::vector<int64_t> ParseList(const char* s) {
   return out;
 }
 
+// Dense causal SDPA with only the cuDNN backend enabled (restores flash-only on return).
+struct CudnnTimes {
+  double fwd = -1, fwd_bwd = -1;
+  bool expanded = false;  // K/V expanded to H heads (cuDNN refused enable_gqa)
+  std::string Fmt(double ms) const {
+    if (ms < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.3f%s", ms, expanded ? "*" : "");
+    return buf;
+  }
+  std::string Fwd() const { return Fmt(fwd); }
+  std::string FwdBwd() const { return Fmt(fwd_bwd); }
+};
+
+CudnnTimes TimeCudnn(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& grad, int warmup, int reps) {
+  CudnnTimes r;
+  auto& ctx = at::globalContext();
+  ctx.setSDPUseFlash(false);
+  ctx.setSDPUseCuDNN(true);
+  auto sdpa = [](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv, bool gqa) {
+    return at::scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                            {}, 0.0, /*is_causal=*/true, std::nullopt, gqa);
+  };
+  const int64_t rep = q.size(2) / k.size(2);
+  torch::Tensor kk = k, vv = v;
+  bool gqa = true;
+  try {
+    torch::NoGradGuard ng;
+    sdpa(q, kk, vv, true);
+  } catch (const std::exception&) {
+    // No GQA in cuDNN here: expand K/V to H heads once, outside every timed region.
+    kk = k.repeat_interleave(rep, 2).contiguous();
+    vv = v.repeat_interleave(rep, 2).contiguous();
+    gqa = false;
+    r.expanded = rep > 1;
+  }
+  try {
+    {
+      torch::NoGradGuard ng;
+      r.fwd = MedianMs([&] { sdpa(q, kk, vv, gqa); }, warmup, reps);
+    }
+    torch::AutoGradMode grad_on(true);
+    auto ql = q.detach().requires_grad_(true), kl = kk.detach().requires_grad_(true),
+         vl = vv.detach().requires_grad_(true);
+    r.fwd_bwd = MedianMs(
+        [&] {
+          auto o = sdpa(ql, kl, vl, gqa);
+          torch::autograd::backward({o}, {grad.transpose(1, 2)});
+        },
+        warmup, reps);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuDNN SDPA unavailable: %.200s\n", e.what());
+  }
+  ctx.setSDPUseCuDNN(false);
+  ctx.setSDPUseFlash(true);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int64_t> seqs = {2048, 8192, 32768, 65536};
+  std::vector<int64_t> seqs = {2048, 8192, 16384, 32768, 65536};
+  int64_t batch = 1;
   std::vector<int64_t> dims = {64, 128};
   struct Heads { int64_t H, G; };
   std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
@@ -94,6 +181,7 @@ int main(int argc, char** argv) {
       }
     }
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::atoll(argv[i + 1]);
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
@@ -112,19 +200,21 @@ int main(int argc, char** argv) {
   const Geometry geo;
   const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
 
-  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
+  std::printf("batch %lld\n", static_cast<long long>(batch));
+  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s | %9s %9s %7s\n",
               "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
-              "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win");
+              "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win", "cudnn_f", "cudnn_fb", "GB/s_n");
   for (const int64_t T : seqs) {
     const PairCounts pairs = CountPairs(T, geo);
     for (const int64_t D : dims) {
       for (const Heads hc : head_cfgs) {
         const int64_t H = hc.H, G = hc.G, N = nsad::nsa::NumCmpBlocks(T, geo);
         torch::manual_seed(T + D + H);
-        auto q = torch::randn({1, T, H, D}, opts), k = torch::randn({1, T, G, D}, opts),
-             v = torch::randn({1, T, G, D}, opts);
-        auto kc = torch::randn({1, N, G, D}, opts), vc = torch::randn({1, N, G, D}, opts);
-        auto grad = torch::randn({1, T, H, D}, opts);
+        const int64_t B = batch;
+        auto q = torch::randn({B, T, H, D}, opts), k = torch::randn({B, T, G, D}, opts),
+             v = torch::randn({B, T, G, D}, opts);
+        auto kc = torch::randn({B, N, G, D}, opts), vc = torch::randn({B, N, G, D}, opts);
+        auto grad = torch::randn({B, T, H, D}, opts);
 
         // Dense causal flash, BHTD views of the same data.
         auto dense_fwd = [&](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv) {
@@ -168,14 +258,18 @@ int main(int argc, char** argv) {
             },
             warmup, reps);
 
-        const double flop_d = 4.0 * D * H * pairs.dense;
-        const double flop_n = 4.0 * D * H * (pairs.cmp + pairs.slc + pairs.win);
+        const CudnnTimes cudnn = TimeCudnn(q, k, v, grad, warmup, reps);
+
+        const double flop_d = 4.0 * D * H * B * pairs.dense;
+        const double flop_n = 4.0 * D * H * B * (pairs.cmp + pairs.slc + pairs.win);
+        const double bytes_n = NsaBytes(B, T, H, G, D, geo);
         char heads[16];
         std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
-        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f\n",
+        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f | %9s %9s %7.1f\n",
                     static_cast<long long>(T), static_cast<long long>(D), heads, dense_f, nsa_f,
                     dense_f / nsa_f, dense_fb, nsa_fb, dense_fb / nsa_fb, flop_d / dense_f / 1e9,
-                    flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f);
+                    flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f, cudnn.Fwd().c_str(),
+                    cudnn.FwdBwd().c_str(), bytes_n / nsa_f / 1e6);
         std::fflush(stdout);
       }
     }

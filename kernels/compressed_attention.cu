@@ -14,6 +14,8 @@
 // (mma_tile.cuh): a CTA owns mma::kTileRows flattened (position, head) rows of one group,
 // 16 per warp, and walks the visible prefix of compressed blocks. fp32 inputs keep the scalar
 // kernels of attention_tile.cuh.
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "launch_util.cuh"
@@ -203,6 +205,309 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Forward and importance with shared-memory tiles (FlashAttention-2 style), the default for
+// bf16/fp16. A CTA owns Cfg::kRows flattened (position, head) rows of one group (whole
+// positions, so a position's heads meet in one CTA for importance), kM m16 tiles per warp.
+// Each tile of kN compressed keys (and values) is copied once into shared memory with
+// cp.async, double buffered so the next tile's copy overlaps this tile's products, and read
+// by all warps with ldmatrix: one L2 read per key per CTA instead of one per warp.
+//
+// The importance pass (kImportance) runs the same walk with K only and no P.V: with the
+// final lse, P = exp2(S - lse) is exact per tile, and its mapping onto selection blocks is
+// itself a small product X = P W, W[j][sb] = token overlap of compressed block j with
+// selection block sb (integers <= l, exact in fp16; P in [0, 1] rounded to fp16, about
+// 5e-4 relative). X goes to shared memory, where the group's heads are summed in a fixed
+// order and one atomic per (position, selection block) adds the tile's share. Tiles start at
+// multiples of kN blocks and kN * d is a multiple of l' (checked on the host), so every
+// tile starts on a selection-block boundary and W is the same for every tile.
+template <int D>
+struct CmpSmemCfg {
+  static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
+  static constexpr int kWarps = 8 / kM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kM * kWarps;  // 128 rows per CTA
+  static constexpr int kN = 64;                   // compressed keys per tile
+  static constexpr int kTileBytes = kN * D * 2;
+  static constexpr int kSbTiles = 5;          // selection-block columns per key tile / 8
+  static constexpr int kXld = 8 * kSbTiles + 4;  // floats per row of staged X
+  static constexpr int kFwdSmem = 2 * 2 * kTileBytes;  // K and V, two stages
+  static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4;
+};
+
+// Selection blocks a tile of kN compressed blocks can touch (W's columns).
+__host__ __device__ inline int CmpTileSpan(int kN, int cmp_block, int cmp_stride, int slc_block) {
+  return ((kN - 1) * cmp_stride + cmp_block - 1) / slc_block + 1;
+}
+
+template <typename scalar_t, int D, bool kImportance>
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
+    CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                  const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
+                  float* __restrict__ lse, float* __restrict__ importance, Shape s,
+                  int positions_per_cta, int NS, int slc_block, int cmp_block, int cmp_stride,
+                  float scale_log2) {
+  using Cfg = CmpSmemCfg<D>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16, kNt = kN / 8;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kStageBytes = (kImportance ? 1 : 2) * Cfg::kTileBytes;
+  extern __shared__ float smem[];  // the one dynamic buffer of the file's kernels, see below
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0);
+  const int rows = positions * hq;
+  const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
+
+  // The lane's rows: m16 tile m, half h is CTA row 16 * (kM * warp + m) + g + 8h.
+  int64_t row_index[kM][2];  // into [B,T,H]
+  bool row_valid[kM][2];
+  int row_vis[kM][2];
+  uint32_t qf[kM][kKs][4];  // A fragments of Q, standard m16n8k16 layout
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * (kM * warp + m) + g + 8 * h;
+      row_valid[m][h] = r < rows;
+      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
+      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
+        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
+        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
+      }
+    }
+  }
+  // Keys every row of the CTA sees (no mask needed below it) and keys the last row sees.
+  const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN, count = min(kN, vis_end - key0);
+    const uint32_t buf = smem_base + (tile & 1) * kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf, k_base + key0 * kv_stride, kv_stride, count);
+    if constexpr (!kImportance)
+      mma::StageTileAsync<D, kN, Cfg::kThreads>(buf + Cfg::kTileBytes, v_base + key0 * kv_stride,
+                                                 kv_stride, count);
+  };
+
+  // Forward state (unused by the importance pass; the compiler drops it there).
+  float o[kM][D / 8][4], m_run[kM][2], l_run[kM][2];
+  // Importance state: the lane's lse, W's B fragments (fp16), the staged X rows.
+  float row_lse[kM][2];
+  uint32_t wf[kN / 16][Cfg::kSbTiles][2];
+  float* const xs = smem + 2 * Cfg::kTileBytes / 4;
+  int sb_tiles = 0;
+  if constexpr (!kImportance) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
+      m_run[m][0] = m_run[m][1] = -INFINITY;
+      l_run[m][0] = l_run[m][1] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
+    sb_tiles = (CmpTileSpan(kN, cmp_block, cmp_stride, slc_block) + 7) / 8;
+    // Overlap in tokens of tile block j ([j d, j d + l)) with tile selection block n.
+    const auto overlap = [&](int j, int n) {
+      const int lo = max(j * cmp_stride, n * slc_block);
+      const int hi = min(j * cmp_stride + cmp_block, (n + 1) * slc_block);
+      return static_cast<float>(max(0, hi - lo));
+    };
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < Cfg::kSbTiles; ++n) {
+        const int j = 16 * kk + 2 * c, col = 8 * n + g;
+        wf[kk][n][0] = mma::Pack<false>(overlap(j, col), overlap(j + 1, col));
+        wf[kk][n][1] = mma::Pack<false>(overlap(j + 8, col), overlap(j + 9, col));
+      }
+    }
+  }
+
+  if (tiles > 0) {
+    stage(0);
+    mma::CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();  // this tile landed for everyone; everyone is done with the other buffer
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    const int key0 = tile * kN;
+    const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes;
+    if (active) {
+      float sc[kM][kNt][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) sc[m][n][0] = sc[m][n][1] = sc[m][n][2] = sc[m][n][3] = 0.f;
+      // S = Q K^T: one ldmatrix.x4 gives keys 8n..8n+7 for two k16 steps.
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+        for (int p = 0; p < D / 32; ++p) {
+          uint32_t kb[4];
+          mma::LdMatrixX4(kb, kbuf + mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3)));
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            const uint32_t(&a0)[4] = qf[m][2 * p];
+            const uint32_t(&a1)[4] = qf[m][2 * p + 1];
+            mma::Mma<kBf16>(sc[m][n], a0[0], a0[1], a0[2], a0[3], kb[0], kb[1]);
+            mma::Mma<kBf16>(sc[m][n], a1[0], a1[1], a1[2], a1[3], kb[2], kb[3]);
+          }
+        }
+      }
+      const bool masked = key0 + kN > vis_min;  // CTA-uniform
+      if constexpr (!kImportance) {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = sc[m][n][2 * h + e];
+                x = (!masked || key0 + 8 * n + 2 * c + e < row_vis[m][h]) ? x * scale_log2 : -INFINITY;
+                mx = fmaxf(mx, x);
+              }
+            }
+            const float m_new = fmaxf(m_run[m][h], mma::QuadMax(mx));
+            const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
+            const float alpha = exp2f(m_run[m][h] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = sc[m][n][2 * h + e];
+                x = exp2f(x - base);
+                sum += x;
+              }
+            }
+            l_run[m][h] = l_run[m][h] * alpha + sum;
+            m_run[m][h] = m_new;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+              o[m][i][2 * h] *= alpha;
+              o[m][i][2 * h + 1] *= alpha;
+            }
+          }
+        }
+        // O += P V: P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
+        // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).
+        const uint32_t vbuf = kbuf + Cfg::kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          uint32_t a[kM][4];
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            a[m][0] = mma::Pack<kBf16>(sc[m][2 * kk][0], sc[m][2 * kk][1]);
+            a[m][1] = mma::Pack<kBf16>(sc[m][2 * kk][2], sc[m][2 * kk][3]);
+            a[m][2] = mma::Pack<kBf16>(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1]);
+            a[m][3] = mma::Pack<kBf16>(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3]);
+          }
+#pragma unroll
+          for (int p = 0; p < D / 16; ++p) {
+            uint32_t vb[4];
+            mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8),
+                                                                    2 * p + (lane >> 4)));
+#pragma unroll
+            for (int m = 0; m < kM; ++m) {
+              mma::Mma<kBf16>(o[m][2 * p], a[m][0], a[m][1], a[m][2], a[m][3], vb[0], vb[1]);
+              mma::Mma<kBf16>(o[m][2 * p + 1], a[m][0], a[m][1], a[m][2], a[m][3], vb[2], vb[3]);
+            }
+          }
+        }
+      } else {
+        // P = exp2(S - lse), then X = P W (fp16 product, fp32 sums) into shared memory.
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int h = e >> 1, key = key0 + 8 * n + 2 * c + (e & 1);
+              float& x = sc[m][n][e];
+              x = (!masked || key < row_vis[m][h]) ? exp2f(x * scale_log2 - row_lse[m][h]) : 0.f;
+            }
+          }
+          float xa[Cfg::kSbTiles][4];
+#pragma unroll
+          for (int n = 0; n < Cfg::kSbTiles; ++n) xa[n][0] = xa[n][1] = xa[n][2] = xa[n][3] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < kN / 16; ++kk) {
+            const uint32_t a0 = mma::Pack<false>(sc[m][2 * kk][0], sc[m][2 * kk][1]);
+            const uint32_t a1 = mma::Pack<false>(sc[m][2 * kk][2], sc[m][2 * kk][3]);
+            const uint32_t a2 = mma::Pack<false>(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1]);
+            const uint32_t a3 = mma::Pack<false>(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3]);
+#pragma unroll
+            for (int n = 0; n < Cfg::kSbTiles; ++n)
+              if (n < sb_tiles) mma::Mma<false>(xa[n], a0, a1, a2, a3, wf[kk][n][0], wf[kk][n][1]);
+          }
+          const int r = 16 * (kM * warp + m) + g;
+#pragma unroll
+          for (int n = 0; n < Cfg::kSbTiles; ++n) {
+            if (n < sb_tiles) {
+              *reinterpret_cast<float2*>(xs + r * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][0], xa[n][1]);
+              *reinterpret_cast<float2*>(xs + (r + 8) * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][2], xa[n][3]);
+            }
+          }
+        }
+      }
+    }
+    if constexpr (kImportance) {
+      __syncthreads();  // X of every row is staged
+      const int count = min(kN, vis_end - key0);
+      const int sb_lo = key0 * cmp_stride / slc_block;
+      const int sb_hi = min(NS - 1, ((key0 + count - 1) * cmp_stride + cmp_block - 1) / slc_block);
+      const int ncol = sb_hi - sb_lo + 1;
+      for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
+        const int pos = i / ncol, col = i - pos * ncol;
+        const float* x = xs + pos * hq * Cfg::kXld + col;
+        float sum = 0.f;
+        for (int h = 0; h < hq; ++h) sum += x[h * Cfg::kXld];
+        if (sum != 0.f)
+          atomicAdd(importance + ((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb_lo + col, sum);
+      }
+    }
+  }
+
+  if constexpr (!kImportance) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = mma::QuadSum(l_run[m][h]);
+        if (!row_valid[m][h]) continue;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        uint32_t* orow = reinterpret_cast<uint32_t*>(out + row_index[m][h] * D);
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+          orow[4 * i + c] = mma::Pack<kBf16>(o[m][i][2 * h] * inv, o[m][i][2 * h + 1] * inv);
+        if (c == 0) lse[row_index[m][h]] = l > 0.f ? m_run[m][h] + log2f(l) : INFINITY;
+      }
+    }
+  }
+}
+
 struct CmpQueryPolicy {
   int positions_per_cta, cmp_block, cmp_stride;
 
@@ -317,6 +622,50 @@ CmpQueryPolicy QueryPolicy(const Shape& s, const Geo& g) {
   return {std::max(1, kMaxRows / s.hq()), g.cmp_block, g.cmp_stride};
 }
 
+// The shared-memory forward needs every key tile to start on a selection-block boundary
+// (kN * d a multiple of l') and W to fit its registers; other geometries, and
+// NSAD_CMP_KERNEL=legacy (for A/B timing), take the register-only kernels above.
+bool UseSmemForward(const Geo& g) {
+  static const bool legacy = [] {
+    const char* e = std::getenv("NSAD_CMP_KERNEL");
+    return e != nullptr && std::string(e) == "legacy";
+  }();
+  constexpr int kN = CmpSmemCfg<64>::kN;
+  return !legacy && (kN * g.cmp_stride) % g.slc_block == 0 &&
+         CmpTileSpan(kN, g.cmp_block, g.cmp_stride, g.slc_block) <= 8 * CmpSmemCfg<64>::kSbTiles;
+}
+
+template <typename Kernel>
+void AllowSmem(Kernel kernel, int bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename scalar_t, int D>
+void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
+                 at::Tensor& lse, at::Tensor& importance, const Shape& s, const Geo& g, int NS,
+                 float scale_log2) {
+  using Cfg = CmpSmemCfg<D>;
+  const int per_cta = Cfg::kRows / s.hq();
+  const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto fwd = CmpSmemKernel<scalar_t, D, false>;
+  const auto imp = CmpSmemKernel<scalar_t, D, true>;
+  AllowSmem(fwd, Cfg::kFwdSmem);
+  AllowSmem(imp, Cfg::kImpSmem);
+  fwd<<<grid, Cfg::kThreads, Cfg::kFwdSmem, stream>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+      out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, per_cta, NS, g.slc_block,
+      g.cmp_block, g.cmp_stride, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  imp<<<grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
+      lse.data_ptr<float>(), importance.data_ptr<float>(), s, per_cta, NS, g.slc_block,
+      g.cmp_block, g.cmp_stride, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,
@@ -337,6 +686,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
+        if (UseSmemForward(g)) {
+          SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, importance, s, g, NS, scale_log2);
+          return;
+        }
         const int per_cta = MmaPositionsPerCta(s);
         const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
         if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
