@@ -218,9 +218,13 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 // itself a small product X = P W, W[j][sb] = token overlap of compressed block j with
 // selection block sb (integers <= l, exact in fp16; P in [0, 1] rounded to fp16, about
 // 5e-4 relative). X goes to shared memory, where the group's heads are summed in a fixed
-// order and one atomic per (position, selection block) adds the tile's share. Tiles start at
-// multiples of kN blocks and kN * d is a multiple of l' (checked on the host), so every
-// tile starts on a selection-block boundary and W is the same for every tile.
+// order. Tiles start at multiples of kN blocks and kN * d is a multiple of l' (checked on
+// the host), so every tile starts on a selection-block boundary and W is the same for every
+// tile. Only the last few selection blocks of a tile are shared with the next tile (blocks
+// are l >= d tokens long); their sums are carried in shared memory to the next tile of the
+// same CTA, everything else is final and stored plainly, and the CTA zero-fills the
+// selection blocks past its last tile: no atomics, no zero-initialised importance tensor,
+// and the result does not depend on scheduling.
 template <int D>
 struct CmpSmemCfg {
   static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
@@ -232,7 +236,8 @@ struct CmpSmemCfg {
   static constexpr int kSbTiles = 5;          // selection-block columns per key tile / 8
   static constexpr int kXld = 8 * kSbTiles + 4;  // floats per row of staged X
   static constexpr int kFwdSmem = 2 * 2 * kTileBytes;  // K and V, two stages
-  static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4;
+  static constexpr int kMaxCarry = 4;  // selection blocks a tile shares with the next
+  static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4;
 };
 
 // Selection blocks a tile of kN compressed blocks can touch (W's columns).
@@ -308,7 +313,8 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   float row_lse[kM][2];
   uint32_t wf[kN / 16][Cfg::kSbTiles][2];
   float* const xs = smem + 2 * Cfg::kTileBytes / 4;
-  int sb_tiles = 0;
+  float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
+  int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
   if constexpr (!kImportance) {
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
@@ -478,15 +484,32 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
       const int count = min(kN, vis_end - key0);
       const int sb_lo = key0 * cmp_stride / slc_block;
       const int sb_hi = min(NS - 1, ((key0 + count - 1) * cmp_stride + cmp_block - 1) / slc_block);
+      // Selection blocks from sb_next on get more from the next tile: carry them.
+      const int sb_next = tile + 1 < tiles ? (key0 + kN) * cmp_stride / slc_block : sb_hi + 1;
       const int ncol = sb_hi - sb_lo + 1;
+      const float* carry_in = carry_s + (tile & 1) * Cfg::kRows * Cfg::kMaxCarry;
+      float* carry_out = carry_s + ((tile + 1) & 1) * Cfg::kRows * Cfg::kMaxCarry;
       for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
         const int pos = i / ncol, col = i - pos * ncol;
         const float* x = xs + pos * hq * Cfg::kXld + col;
-        float sum = 0.f;
+        float sum = col < carried ? carry_in[pos * Cfg::kMaxCarry + col] : 0.f;
         for (int h = 0; h < hq; ++h) sum += x[h * Cfg::kXld];
-        if (sum != 0.f)
-          atomicAdd(importance + ((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb_lo + col, sum);
+        const int sb = sb_lo + col;
+        if (sb < sb_next)
+          importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb] = sum;
+        else
+          carry_out[pos * Cfg::kMaxCarry + sb - sb_next] = sum;
       }
+      carried = sb_hi + 1 - sb_next;
+      sb_end = sb_next;
+    }
+  }
+  if constexpr (kImportance) {
+    // Selection blocks no visible compressed block overlaps.
+    const int ncol = NS - sb_end;
+    for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
+      const int pos = i / ncol, col = i - pos * ncol;
+      importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb_end + col] = 0.f;
     }
   }
 
@@ -631,8 +654,10 @@ bool UseSmemForward(const Geo& g) {
     return e != nullptr && std::string(e) == "legacy";
   }();
   constexpr int kN = CmpSmemCfg<64>::kN;
-  return !legacy && (kN * g.cmp_stride) % g.slc_block == 0 &&
-         CmpTileSpan(kN, g.cmp_block, g.cmp_stride, g.slc_block) <= 8 * CmpSmemCfg<64>::kSbTiles;
+  const int span = CmpTileSpan(kN, g.cmp_block, g.cmp_stride, g.slc_block);
+  return !legacy && g.cmp_block >= g.cmp_stride && (kN * g.cmp_stride) % g.slc_block == 0 &&
+         span <= 8 * CmpSmemCfg<64>::kSbTiles &&
+         span - kN * g.cmp_stride / g.slc_block <= CmpSmemCfg<64>::kMaxCarry;
 }
 
 template <typename Kernel>
@@ -677,7 +702,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   auto out = at::empty_like(q);
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
-  auto importance = at::zeros({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat));
+  // The shared-memory kernels write every importance value; the others add into zeros.
+  const bool smem_path = q.scalar_type() != at::kFloat && UseSmemForward(g);
+  auto importance = smem_path ? at::empty({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat))
+                              : at::zeros({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat));
   const CmpQueryPolicy pol = QueryPolicy(s, g);
   const int rows = pol.positions_per_cta * s.hq();
   const dim3 grid((s.T + pol.positions_per_cta - 1) / pol.positions_per_cta, s.G, s.B);
@@ -686,7 +714,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (UseSmemForward(g)) {
+        if (smem_path) {
           SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, importance, s, g, NS, scale_log2);
           return;
         }
