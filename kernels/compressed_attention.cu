@@ -531,6 +531,169 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   }
 }
 
+// dQ with shared-memory K/V tiles, the same CTA shape and staging as CmpSmemKernel's
+// forward. Per 16-key step: S = Q K^T and dP = dO V^T (ldmatrix of K / V rows),
+// dS = P (dP - delta) with P = exp2(S - lse), dQ += dS K (ldmatrix.trans of the same K
+// rows). Working in 16-key steps keeps S / dP small, so two m16 tiles per warp fit at D=64.
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
+    CmpSmemDqKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                    const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta,
+                    scalar_t* __restrict__ dq, Shape s, int positions_per_cta, int cmp_block,
+                    int cmp_stride, float scale_log2, float dq_scale) {
+  using Cfg = CmpSmemCfg<D>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kStageBytes = 2 * Cfg::kTileBytes;
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0);
+  const int rows = positions * hq;
+  const bool active = 16 * kM * warp < rows;
+
+  int64_t row_index[kM][2];
+  bool row_valid[kM][2];
+  int row_vis[kM][2];
+  float row_lse[kM][2], row_delta[kM][2];
+  uint32_t qf[kM][kKs][4], df[kM][kKs][4];  // A fragments of Q and dO
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * (kM * warp + m) + g + 8 * h;
+      row_valid[m][h] = r < rows;
+      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
+      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+      row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
+      row_delta[m][h] = row_valid[m][h] ? delta[row_index[m][h]] : 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
+        const uint32_t* dr = reinterpret_cast<const uint32_t*>(dout + row_index[m][h] * D);
+        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
+        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
+        df[m][ks][h] = row_valid[m][h] ? __ldg(dr + 8 * ks + c) : 0u;
+        df[m][ks][2 + h] = row_valid[m][h] ? __ldg(dr + 8 * ks + 4 + c) : 0u;
+      }
+    }
+  }
+  const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN, count = min(kN, vis_end - key0);
+    const uint32_t buf = smem_base + (tile & 1) * kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf, k_base + key0 * kv_stride, kv_stride, count);
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf + Cfg::kTileBytes, v_base + key0 * kv_stride,
+                                               kv_stride, count);
+  };
+  float acc[kM][D / 8][4];
+#pragma unroll
+  for (int m = 0; m < kM; ++m)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
+
+  if (tiles > 0) {
+    stage(0);
+    mma::CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    if (!active) continue;
+    const int key0 = tile * kN;
+    const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes, vbuf = kbuf + Cfg::kTileBytes;
+    const bool masked = key0 + kN > vis_min;
+#pragma unroll 1  // the steps share nothing; unrolling them only raises register pressure
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      float sc[kM][2][4], dp[kM][2][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[m][nn][e] = dp[m][nn][e] = 0.f;
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn) {
+        const int n = 2 * kk + nn;
+#pragma unroll
+        for (int p = 0; p < D / 32; ++p) {
+          const uint32_t off = mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3));
+          uint32_t kb[4], vb[4];
+          mma::LdMatrixX4(kb, kbuf + off);
+          mma::LdMatrixX4(vb, vbuf + off);
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            const uint32_t(&q0)[4] = qf[m][2 * p];
+            const uint32_t(&q1)[4] = qf[m][2 * p + 1];
+            const uint32_t(&d0)[4] = df[m][2 * p];
+            const uint32_t(&d1)[4] = df[m][2 * p + 1];
+            mma::Mma<kBf16>(sc[m][nn], q0[0], q0[1], q0[2], q0[3], kb[0], kb[1]);
+            mma::Mma<kBf16>(sc[m][nn], q1[0], q1[1], q1[2], q1[3], kb[2], kb[3]);
+            mma::Mma<kBf16>(dp[m][nn], d0[0], d0[1], d0[2], d0[3], vb[0], vb[1]);
+            mma::Mma<kBf16>(dp[m][nn], d1[0], d1[1], d1[2], d1[3], vb[2], vb[3]);
+          }
+        }
+      }
+      uint32_t a[kM][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1, key = key0 + 16 * kk + 8 * nn + 2 * c + (e & 1);
+            const bool ok = !masked || key < row_vis[m][h];
+            const float p = ok ? exp2f(sc[m][nn][e] * scale_log2 - row_lse[m][h]) : 0.f;
+            sc[m][nn][e] = p * (dp[m][nn][e] - row_delta[m][h]);  // dS
+          }
+        }
+        a[m][0] = mma::Pack<kBf16>(sc[m][0][0], sc[m][0][1]);
+        a[m][1] = mma::Pack<kBf16>(sc[m][0][2], sc[m][0][3]);
+        a[m][2] = mma::Pack<kBf16>(sc[m][1][0], sc[m][1][1]);
+        a[m][3] = mma::Pack<kBf16>(sc[m][1][2], sc[m][1][3]);
+      }
+      // dQ += dS K: K rows 16kk.. as the B operand over keys (transposed by ldmatrix).
+#pragma unroll
+      for (int p = 0; p < D / 16; ++p) {
+        uint32_t kt[4];
+        mma::LdMatrixX4Trans(kt, kbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8),
+                                                                2 * p + (lane >> 4)));
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+          mma::Mma<kBf16>(acc[m][2 * p], a[m][0], a[m][1], a[m][2], a[m][3], kt[0], kt[1]);
+          mma::Mma<kBf16>(acc[m][2 * p + 1], a[m][0], a[m][1], a[m][2], a[m][3], kt[2], kt[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!row_valid[m][h]) continue;
+      uint32_t* drow = reinterpret_cast<uint32_t*>(dq + row_index[m][h] * D);
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        drow[4 * i + c] = mma::Pack<kBf16>(acc[m][i][2 * h] * dq_scale, acc[m][i][2 * h + 1] * dq_scale);
+    }
+  }
+}
+
 struct CmpQueryPolicy {
   int positions_per_cta, cmp_block, cmp_stride;
 
@@ -648,11 +811,16 @@ CmpQueryPolicy QueryPolicy(const Shape& s, const Geo& g) {
 // The shared-memory forward needs every key tile to start on a selection-block boundary
 // (kN * d a multiple of l') and W to fit its registers; other geometries, and
 // NSAD_CMP_KERNEL=legacy (for A/B timing), take the register-only kernels above.
-bool UseSmemForward(const Geo& g) {
+bool LegacyRequested() {
   static const bool legacy = [] {
     const char* e = std::getenv("NSAD_CMP_KERNEL");
     return e != nullptr && std::string(e) == "legacy";
   }();
+  return legacy;
+}
+
+bool UseSmemForward(const Geo& g) {
+  const bool legacy = LegacyRequested();
   constexpr int kN = CmpSmemCfg<64>::kN;
   const int span = CmpTileSpan(kN, g.cmp_block, g.cmp_stride, g.slc_block);
   return !legacy && g.cmp_block >= g.cmp_stride && (kN * g.cmp_stride) % g.slc_block == 0 &&
@@ -769,7 +937,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
       if constexpr (!std::is_same_v<scalar_t, float>) {
         const int per_cta = MmaPositionsPerCta(s);
         const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-        if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
+        using Cfg = CmpSmemCfg<D>;
+        const int smem_per_cta = Cfg::kRows / s.hq();
+        const dim3 sgrid((s.T + smem_per_cta - 1) / smem_per_cta, s.G, s.B);
+        if (!LegacyRequested()) {
+          if (sgrid.x > 0 && sgrid.y > 0 && sgrid.z > 0) {
+            const auto kernel = CmpSmemDqKernel<scalar_t, D>;
+            AllowSmem(kernel, Cfg::kFwdSmem);
+            kernel<<<sgrid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+                q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+                dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                dq.data_ptr<scalar_t>(), s, smem_per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
+                scale);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+        } else if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
           CmpQueryMmaKernel<scalar_t, D, true>
               <<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
