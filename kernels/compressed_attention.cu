@@ -14,6 +14,7 @@
 // (mma_tile.cuh): a CTA owns mma::kTileRows flattened (position, head) rows of one group,
 // 16 per warp, and walks the visible prefix of compressed blocks. fp32 inputs keep the scalar
 // kernels of attention_tile.cuh.
+#include <climits>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -745,6 +746,183 @@ struct CmpKeyPolicy {
   }
 };
 
+// Key-side backward (dK, dV) with shared-memory tiles, the work split of CmpKeyPolicy: a CTA
+// owns 64 compressed keys of (b, g) (16 per warp, the MMA rows) and walks the flattened
+// (position, head) query rows of its position range kR at a time. The key and value chunk is
+// staged once; each query step stages the Q and dO rows (cp.async, double buffered) plus
+// their lse / delta / position, and every warp reads them with ldmatrix:
+//   S^T = K Q^T, dP^T = V dO^T (Q, dO rows non-transposed), P^T = exp2(S^T - lse),
+//   dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q (dO, Q rows transposed).
+// The CTA's sums are added into the float32 buffers once at the end (two CTAs share a chunk
+// only when its query range is split).
+template <int D>
+struct CmpDkDvCfg {
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps, kKeys = 16 * kWarps;
+  static constexpr int kR = D == 64 ? 64 : 32;  // query rows per step (register budget)
+  static constexpr int kKeyBytes = kKeys * D * 2, kRowBytes = kR * D * 2;
+  static constexpr int kStageBytes = 2 * kRowBytes + kR * 12;  // Q, dO, lse, delta, position
+  static constexpr int kSmem = 2 * kKeyBytes + 2 * kStageBytes;
+};
+
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(CmpDkDvCfg<D>::kThreads)
+    CmpSmemDkDvKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                      const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                      const float* __restrict__ lse, const float* __restrict__ delta,
+                      float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
+                      CmpKeyPolicy pol, float scale) {
+  using Cfg = CmpDkDvCfg<D>;
+  static_assert(Cfg::kKeys == kKeyChunk, "CmpKeyPolicy hands out kKeyChunk keys per CTA");
+  constexpr int kR = Cfg::kR;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // CTA-uniform
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const uint32_t k_s = smem_base, v_s = smem_base + Cfg::kKeyBytes;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const float scale_log2 = scale * kLog2e;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const int total = w.num_queries * hq;  // flattened (position, head) rows
+  const int tiles = (total + kR - 1) / kR;
+  const int first = static_cast<int>(w.query_base);
+
+  mma::StageTileAsync<D, Cfg::kKeys, Cfg::kThreads>(k_s, k + KeyOffset(s, w.b, w.keys.start, w.g),
+                                                    kv_stride, w.keys.count);
+  mma::StageTileAsync<D, Cfg::kKeys, Cfg::kThreads>(v_s, v + KeyOffset(s, w.b, w.keys.start, w.g),
+                                                    kv_stride, w.keys.count);
+  const auto stage_base = [&](int tile) { return 2 * Cfg::kKeyBytes + (tile & 1) * Cfg::kStageBytes; };
+  const auto stage = [&](int tile) {
+    const int base = stage_base(tile);
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int it = 0; it < kR * kChunks / Cfg::kThreads; ++it) {
+      const int i = static_cast<int>(threadIdx.x) + it * Cfg::kThreads;
+      const int row = i / kChunks, chunk = i % kChunks, rho = tile * kR + row;
+      const bool ok = rho < total;
+      const int64_t off = ok ? QueryOffset(s, w.b, first + rho / hq, w.g * hq + rho % hq) + chunk * 8 : 0;
+      const uint32_t dst = smem_base + base + mma::SwizzledOffset<D>(row, chunk);
+      mma::CpAsync16(dst, q + off, ok);
+      mma::CpAsync16(dst + Cfg::kRowBytes, dout + off, ok);
+    }
+    if (threadIdx.x < kR) {
+      const int rho = tile * kR + static_cast<int>(threadIdx.x);
+      float* info = smem + (base + 2 * Cfg::kRowBytes) / 4;
+      if (rho < total) {
+        const int t = first + rho / hq;
+        const int64_t row = (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq;
+        info[threadIdx.x] = lse[row];
+        info[kR + threadIdx.x] = delta[row];
+        reinterpret_cast<int*>(info)[2 * kR + threadIdx.x] = t;
+      } else {
+        info[threadIdx.x] = INFINITY;
+        info[kR + threadIdx.x] = 0.f;
+        reinterpret_cast<int*>(info)[2 * kR + threadIdx.x] = -1;  // sees no key
+      }
+    }
+  };
+
+  // The lane's key rows (g, g + 8 of the warp's 16) and the first position that sees them.
+  int min_t[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key_local = 16 * warp + g + 8 * h;
+    min_t[h] = key_local < w.keys.count ? (w.keys.start + key_local) * pol.cmp_stride + pol.cmp_block - 1
+                                        : INT_MAX;
+  }
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+
+  stage(0);
+  mma::CpAsyncCommit();
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    const int base = stage_base(tile);
+    const uint32_t q_t = smem_base + base, do_t = q_t + Cfg::kRowBytes;
+    const float* info = smem + (base + 2 * Cfg::kRowBytes) / 4;
+    if (16 * warp >= w.keys.count) continue;  // warp without keys (last chunk)
+    float st[kR / 8][4], dpt[kR / 8][4];
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      // A fragments of the warp's 16 key / value rows, k16 step ks.
+      const uint32_t a_off = mma::SwizzledOffset<D>(16 * warp + (lane & 7) + (lane & 8), 2 * ks + (lane >> 4));
+      uint32_t ka[4], va[4];
+      mma::LdMatrixX4(ka, k_s + a_off);
+      mma::LdMatrixX4(va, v_s + a_off);
+#pragma unroll
+      for (int j = 0; j < kR / 8; j += 2) {
+        // B fragments of query rows 8j.. and 8j+8.. for this k step.
+        const uint32_t b_off = mma::SwizzledOffset<D>(8 * j + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1));
+        uint32_t qb[4], db[4];
+        mma::LdMatrixX4(qb, q_t + b_off);
+        mma::LdMatrixX4(db, do_t + b_off);
+        mma::Mma<kBf16>(st[j], ka[0], ka[1], ka[2], ka[3], qb[0], qb[1]);
+        mma::Mma<kBf16>(st[j + 1], ka[0], ka[1], ka[2], ka[3], qb[2], qb[3]);
+        mma::Mma<kBf16>(dpt[j], va[0], va[1], va[2], va[3], db[0], db[1]);
+        mma::Mma<kBf16>(dpt[j + 1], va[0], va[1], va[2], va[3], db[2], db[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * c + (e & 1), h = e >> 1;
+        const int t = reinterpret_cast<const int*>(info)[2 * kR + col];
+        const float p = t >= min_t[h] ? exp2f(st[j][e] * scale_log2 - info[col]) : 0.f;
+        st[j][e] = p;
+        dpt[j][e] = p * (dpt[j][e] - info[kR + col]);  // dS^T
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q: the query rows are the contraction (ldmatrix.trans).
+#pragma unroll
+    for (int kk = 0; kk < kR / 16; ++kk) {
+      const uint32_t p0 = mma::Pack<kBf16>(st[2 * kk][0], st[2 * kk][1]);
+      const uint32_t p1 = mma::Pack<kBf16>(st[2 * kk][2], st[2 * kk][3]);
+      const uint32_t p2 = mma::Pack<kBf16>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      const uint32_t p3 = mma::Pack<kBf16>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+      const uint32_t s0 = mma::Pack<kBf16>(dpt[2 * kk][0], dpt[2 * kk][1]);
+      const uint32_t s1 = mma::Pack<kBf16>(dpt[2 * kk][2], dpt[2 * kk][3]);
+      const uint32_t s2 = mma::Pack<kBf16>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      const uint32_t s3 = mma::Pack<kBf16>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+      for (int p = 0; p < D / 16; ++p) {
+        const uint32_t off = mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4));
+        uint32_t db[4], qb[4];
+        mma::LdMatrixX4Trans(db, do_t + off);
+        mma::LdMatrixX4Trans(qb, q_t + off);
+        mma::Mma<kBf16>(dv[2 * p], p0, p1, p2, p3, db[0], db[1]);
+        mma::Mma<kBf16>(dv[2 * p + 1], p0, p1, p2, p3, db[2], db[3]);
+        mma::Mma<kBf16>(dk[2 * p], s0, s1, s2, s3, qb[0], qb[1]);
+        mma::Mma<kBf16>(dk[2 * p + 1], s0, s1, s2, s3, qb[2], qb[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key_local = 16 * warp + g + 8 * h;
+    if (key_local >= w.keys.count) continue;
+    const int64_t off = KeyOffset(s, w.b, w.keys.start + key_local, w.g);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      atomicAdd(reinterpret_cast<float2*>(dk_acc + off + 8 * i + 2 * c),
+                make_float2(dk[i][2 * h] * scale, dk[i][2 * h + 1] * scale));
+      atomicAdd(reinterpret_cast<float2*>(dv_acc + off + 8 * i + 2 * c),
+                make_float2(dv[i][2 * h], dv[i][2 * h + 1]));
+    }
+  }
+}
+
 // importance[b,t,g,sb] = sum_{h in g} sum_j p[t,h,j] * |cmp block j ∩ selection block sb|.
 // Each CTA adds its chunk's share with one atomic per (position, selection block): a
 // selection block straddles at most two chunks, so a value gets at most two addends and the
@@ -967,7 +1145,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
                dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
       }
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0) {
+        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0 && !LegacyRequested()) {
+          const auto kernel = CmpSmemDkDvKernel<scalar_t, D>;
+          AllowSmem(kernel, CmpDkDvCfg<D>::kSmem);
+          kernel<<<kgrid, CmpDkDvCfg<D>::kThreads, CmpDkDvCfg<D>::kSmem,
+                   at::cuda::getCurrentCUDAStream()>>>(
+              q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+              dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+              dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        } else if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0) {
           mma::DkDvMmaKernel<scalar_t, D, CmpKeyPolicy>
               <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
