@@ -10,10 +10,14 @@
 // and maps them straight onto selection blocks (weighted by the token overlap), summed over
 // the group's heads. The [B,T,H,N] probabilities are never stored.
 //
-// bf16/fp16 inputs run the forward, the importance pass and dQ on tensor cores
-// (mma_tile.cuh): a CTA owns mma::kTileRows flattened (position, head) rows of one group,
-// 16 per warp, and walks the visible prefix of compressed blocks. fp32 inputs keep the scalar
-// kernels of attention_tile.cuh.
+// bf16/fp16 inputs run on tensor cores. Default: FlashAttention-2-style kernels with
+// shared-memory tiles (CmpSmemKernel forward / importance, CmpSmemDqKernel,
+// CmpSmemDkDvKernel): 128 flattened (position, head) rows per query-side CTA, each 64-block
+// K/V tile copied once per CTA with cp.async (double buffered) and read by all warps with
+// ldmatrix. The earlier register-only kernels (CmpQueryMmaKernel, CmpImportanceMmaKernel,
+// mma::DkDvMmaKernel: 64 rows per CTA, 16 per warp, operands straight from L1/L2) remain for
+// geometries the shared-memory importance mapping does not cover and for A/B timing
+// (NSAD_CMP_KERNEL=legacy). fp32 inputs keep the scalar kernels of attention_tile.cuh.
 #include <climits>
 #include <cstdlib>
 #include <string>

@@ -2,8 +2,10 @@
 // of the selected and compressed attention kernels. fp32 inputs keep the scalar kernels of
 // attention_tile.cuh.
 //
-// Everything here is warp-level and works straight from registers: operands are loaded from
-// global memory (L1/L2) with 16-byte loads into mma fragments, no shared-memory staging.
+// Most of this is warp-level and works straight from registers: operands are loaded from
+// global memory (L1/L2) with 16-byte loads into mma fragments, no shared-memory staging
+// (the cp.async / ldmatrix helpers further down serve the compressed branch's kernels,
+// whose warps share staged tiles and use the standard fragment layout instead).
 // Two facts make that possible:
 //   * In S = Q K^T the contraction runs over head_dim, and the order of a contraction does
 //     not matter as long as both operands use the same one. So each lane loads 16-byte
