@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 // The importance pass (kImportance) runs the same walk with K only and no P.V: with the
 // final lse, P = exp2(S - lse) is exact per tile, and its mapping onto selection blocks is
 // itself a small product X = P W, W[j][sb] = token overlap of compressed block j with
-// selection block sb (integers <= l, exact in fp16; P in [0, 1] rounded to fp16, about
-// 5e-4 relative). X goes to shared memory, where the group's heads are summed in a fixed
+// selection block sb (integers <= l, exact in fp16; P in [0, 1] as a sum of two fp16
+// parts, see SplitHalf2). X goes to shared memory, where the group's heads are summed in a fixed
 // order. Tiles start at multiples of kN blocks and kN * d is a multiple of l' (checked on
 // the host), so every tile starts on a selection-block boundary and W is the same for every
 // tile. Only the last few selection blocks of a tile are shared with the next tile (blocks
@@ -244,6 +244,14 @@ struct CmpSmemCfg {
   static constexpr int kMaxCarry = 4;  // selection blocks a tile shares with the next
   static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4;
 };
+
+// (a, b) as fp16 pairs hi + lo: hi rounded, lo the rounding residual.
+__device__ __forceinline__ void SplitHalf2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(a, b);
+  const __half2 l = __floats2half2_rn(a - __low2float(h), b - __high2float(h));
+  memcpy(&hi, &h, 4);
+  memcpy(&lo, &l, 4);
+}
 
 // Selection blocks a tile of kN compressed blocks can touch (W's columns).
 __host__ __device__ inline int CmpTileSpan(int kN, int cmp_block, int cmp_stride, int slc_block) {
@@ -448,7 +456,8 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
           }
         }
       } else {
-        // P = exp2(S - lse), then X = P W (fp16 product, fp32 sums) into shared memory.
+        // P = exp2(S - lse), then X = P W into shared memory. P goes in as two fp16 parts
+        // (P = hi + lo, lo the rounding residual), so X keeps ~fp32 accuracy.
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -465,13 +474,18 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
           for (int n = 0; n < Cfg::kSbTiles; ++n) xa[n][0] = xa[n][1] = xa[n][2] = xa[n][3] = 0.f;
 #pragma unroll
           for (int kk = 0; kk < kN / 16; ++kk) {
-            const uint32_t a0 = mma::Pack<false>(sc[m][2 * kk][0], sc[m][2 * kk][1]);
-            const uint32_t a1 = mma::Pack<false>(sc[m][2 * kk][2], sc[m][2 * kk][3]);
-            const uint32_t a2 = mma::Pack<false>(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1]);
-            const uint32_t a3 = mma::Pack<false>(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3]);
+            uint32_t hi[4], lo[4];
+            SplitHalf2(sc[m][2 * kk][0], sc[m][2 * kk][1], hi[0], lo[0]);
+            SplitHalf2(sc[m][2 * kk][2], sc[m][2 * kk][3], hi[1], lo[1]);
+            SplitHalf2(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1], hi[2], lo[2]);
+            SplitHalf2(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3], hi[3], lo[3]);
 #pragma unroll
-            for (int n = 0; n < Cfg::kSbTiles; ++n)
-              if (n < sb_tiles) mma::Mma<false>(xa[n], a0, a1, a2, a3, wf[kk][n][0], wf[kk][n][1]);
+            for (int n = 0; n < Cfg::kSbTiles; ++n) {
+              if (n < sb_tiles) {
+                mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], wf[kk][n][0], wf[kk][n][1]);
+                mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], wf[kk][n][0], wf[kk][n][1]);
+              }
+            }
           }
           const int r = 16 * (kM * warp + m) + g;
 #pragma unroll
