@@ -2,10 +2,10 @@
 // branch, sliding window) against dense causal FlashAttention (PyTorch SDPA, flash backend
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
-//   nsa_bench [--seqs 2048,8192,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
+//   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
-//             [--slc-qpc N]
+//             [--slc-qpc N] [--cmp-kernel auto|registers]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -13,14 +13,24 @@
 //
 // --slc-fwd / --slc-dkdv / --slc-qpc force the selected branch's forward/dQ kernel, dK/dV
 // kernel (staged register budgets rows x CTAs per SM are D=64 builds) and queries per dK/dV
-// work item (0 = auto) through SelectedKernelChoice (kernels/selected_choice.h), for A/B runs
-// in one binary; the default is the dispatch training uses. The choice is printed first.
+// work item (0 = auto) through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
+// in one binary; --cmp-kernel registers forces the compressed branch's register-only kernels
+// (CompressedKernelChoice). The default is the dispatch training uses. Choices print first.
 //
 // bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
 // matrix products only (4*D flops per query-head-key pair forward, 2.5x that forward+backward
 // as FlashAttention counts them), over the keys each branch really visits.
 // The compression MLP producing k_cmp/v_cmp and the output gates are not part of the timing.
+//
+// Second dense baseline (cudnn_f / cudnn_fb): the same SDPA call with only the cuDNN backend
+// enabled. When cuDNN rejects GQA (enable_gqa), K/V are expanded to H heads before the timed
+// region and the times are marked '*'; '-' when cuDNN attention is unavailable.
+// GB/s_n: bytes the NSA forward must move at least, over its time: every branch reads Q and
+// writes its output and lse; compressed reads each K/V block once per group and writes the
+// importance, selection reads the importance and writes the indices, selected reads the K/V
+// blocks of each (position, group) (16 blocks of l' rows: no reuse across positions assumed),
+// the window reads each key/value once per group.
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,7 +48,7 @@
 #include "nsa/ops.h"
 #include "launchers.h"
 #include "nsa_cuda.h"
-#include "selected_choice.h"
+#include "kernel_choice.h"
 
 namespace {
 
@@ -52,6 +62,9 @@ constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
     {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
     {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
     {"unstaged", Choice::DkDv::kUnstaged}};
+using CmpChoice = nsad::nsa::cuda::detail::CompressedKernelChoice;
+constexpr std::pair<const char*, CmpChoice::Path> kCmpNames[] = {
+    {"auto", CmpChoice::Path::kAuto}, {"registers", CmpChoice::Path::kRegisters}};
 
 // Value of a name in a table like kFwdNames; false when the name is not there.
 template <typename E, size_t N>
@@ -99,6 +112,24 @@ PairCounts CountPairs(int64_t T, const Geometry& g) {
   return p;
 }
 
+// Minimum bytes of one NSA forward (see the header comment), bf16 activations.
+double NsaBytes(int64_t B, int64_t T, int64_t H, int64_t G, int64_t D, const Geometry& g) {
+  const double e = 2.0;  // bytes per bf16 element
+  const int64_t N = nsad::nsa::NumCmpBlocks(T, g), NS = nsad::nsa::NumSlcBlocks(T, g);
+  const double q_rows = static_cast<double>(B) * T * H;
+  const double per_branch_q_out = q_rows * (2.0 * D * e + 4.0);  // read Q, write out + lse
+  const double cmp = per_branch_q_out + 2.0 * B * N * G * D * e + 4.0 * B * T * G * NS;
+  const double select = 4.0 * B * T * G * NS + 4.0 * B * T * G * g.top_n;
+  double slc_rows = 0;  // key rows visited per (b, t, g)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blocks = std::min<int64_t>(g.top_n, t / g.slc_block + 1);
+    slc_rows += (blocks - 1) * g.slc_block + (t % g.slc_block) + 1;
+  }
+  const double slc = per_branch_q_out + 2.0 * B * G * slc_rows * D * e;
+  const double win = per_branch_q_out + 2.0 * B * T * G * D * e;
+  return cmp + select + slc + win;
+}
+
 std::vector<int64_t> ParseList(const char* s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
@@ -124,17 +155,77 @@ nsad::nsa::cuda::detail::Geo ToGeo(const Geometry& g) {
           static_cast<int>(g.top_n), static_cast<int>(g.window)};
 }
 
+// Dense causal SDPA with only the cuDNN backend enabled (restores flash-only on return).
+struct CudnnTimes {
+  double fwd = -1, fwd_bwd = -1;
+  bool expanded = false;  // K/V expanded to H heads (cuDNN refused enable_gqa)
+  std::string Fmt(double ms) const {
+    if (ms < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.3f%s", ms, expanded ? "*" : "");
+    return buf;
+  }
+  std::string Fwd() const { return Fmt(fwd); }
+  std::string FwdBwd() const { return Fmt(fwd_bwd); }
+};
+
+CudnnTimes TimeCudnn(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& grad, int warmup, int reps) {
+  CudnnTimes r;
+  auto& ctx = at::globalContext();
+  ctx.setSDPUseFlash(false);
+  ctx.setSDPUseCuDNN(true);
+  auto sdpa = [](const torch::Tensor& qq, const torch::Tensor& kk, const torch::Tensor& vv, bool gqa) {
+    return at::scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                            {}, 0.0, /*is_causal=*/true, std::nullopt, gqa);
+  };
+  const int64_t rep = q.size(2) / k.size(2);
+  torch::Tensor kk = k, vv = v;
+  bool gqa = true;
+  try {
+    torch::NoGradGuard ng;
+    sdpa(q, kk, vv, true);
+  } catch (const std::exception&) {
+    // No GQA in cuDNN here: expand K/V to H heads once, outside every timed region.
+    kk = k.repeat_interleave(rep, 2).contiguous();
+    vv = v.repeat_interleave(rep, 2).contiguous();
+    gqa = false;
+    r.expanded = rep > 1;
+  }
+  try {
+    {
+      torch::NoGradGuard ng;
+      r.fwd = MedianMs([&] { sdpa(q, kk, vv, gqa); }, warmup, reps);
+    }
+    torch::AutoGradMode grad_on(true);
+    auto ql = q.detach().requires_grad_(true), kl = kk.detach().requires_grad_(true),
+         vl = vv.detach().requires_grad_(true);
+    r.fwd_bwd = MedianMs(
+        [&] {
+          auto o = sdpa(ql, kl, vl, gqa);
+          torch::autograd::backward({o}, {grad.transpose(1, 2)});
+        },
+        warmup, reps);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuDNN SDPA unavailable: %.200s\n", e.what());
+  }
+  ctx.setSDPUseCuDNN(false);
+  ctx.setSDPUseFlash(true);
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<int64_t> seqs = {2048, 8192, 32768, 65536};
+  std::vector<int64_t> seqs = {2048, 8192, 16384, 32768, 65536};
+  int64_t batch = 1;
   std::vector<int64_t> dims = {64, 128};
   struct Heads { int64_t H, G; };
   std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
   int reps = 5, warmup = 2;
-  int64_t batch = 1;
   bool slc_only = false;
   Choice choice;
+  CmpChoice cmp_choice;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -150,9 +241,15 @@ int main(int argc, char** argv) {
       }
     }
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--batch") batch = std::atoll(argv[i + 1]);
+    else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--cmp-kernel") {
+      if (!FromName(kCmpNames, argv[i + 1], cmp_choice.path)) {
+        std::fprintf(stderr, "--cmp-kernel takes auto|registers\n");
+        return 2;
+      }
+    }
     else if (a == "--slc-fwd") {
       if (!FromName(kFwdNames, argv[i + 1], choice.fwd)) {
         std::fprintf(stderr, "--slc-fwd takes auto|rows|heads\n");
@@ -184,6 +281,8 @@ int main(int argc, char** argv) {
   std::printf("# selected kernels: fwd %s, dkdv %s, queries per dkdv item %d%s\n",
               NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
+  nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
+  std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   // Dense baseline must be FlashAttention: leave SDPA no other backend to fall back to.
   auto& ctx = at::globalContext();
@@ -230,9 +329,10 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s\n",
+  std::printf("batch %lld\n", static_cast<long long>(batch));
+  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s | %9s %9s %7s\n",
               "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
-              "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win");
+              "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win", "cudnn_f", "cudnn_fb", "GB/s_n");
   for (const int64_t T : seqs) {
     const PairCounts pairs = CountPairs(T, geo);
     for (const int64_t D : dims) {
@@ -287,14 +387,18 @@ int main(int argc, char** argv) {
             },
             warmup, reps);
 
+        const CudnnTimes cudnn = TimeCudnn(q, k, v, grad, warmup, reps);
+
         const double flop_d = 4.0 * D * H * B * pairs.dense;
         const double flop_n = 4.0 * D * H * B * (pairs.cmp + pairs.slc + pairs.win);
+        const double bytes_n = NsaBytes(B, T, H, G, D, geo);
         char heads[16];
         std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
-        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f\n",
+        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f | %9s %9s %7.1f\n",
                     static_cast<long long>(T), static_cast<long long>(D), heads, dense_f, nsa_f,
                     dense_f / nsa_f, dense_fb, nsa_fb, dense_fb / nsa_fb, flop_d / dense_f / 1e9,
-                    flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f);
+                    flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f, cudnn.Fwd().c_str(),
+                    cudnn.FwdBwd().c_str(), bytes_n / nsa_f / 1e6);
         std::fflush(stdout);
       }
     }

@@ -10,16 +10,39 @@
 // and maps them straight onto selection blocks (weighted by the token overlap), summed over
 // the group's heads. The [B,T,H,N] probabilities are never stored.
 //
-// bf16/fp16 inputs run the forward, the importance pass and dQ on tensor cores
-// (mma_tile.cuh): a CTA owns mma::kTileRows flattened (position, head) rows of one group,
-// 16 per warp, and walks the visible prefix of compressed blocks. fp32 inputs keep the scalar
-// kernels of attention_tile.cuh.
+// bf16/fp16 inputs run on tensor cores. Default: FlashAttention-2-style kernels with
+// shared-memory tiles (CmpSmemKernel forward / importance, CmpSmemDqKernel,
+// CmpSmemDkDvKernel): 128 flattened (position, head) rows per query-side CTA, each 64-block
+// K/V tile copied once per CTA with cp.async (double buffered) and read by all warps with
+// ldmatrix. The earlier register-only kernels (CmpQueryMmaKernel, CmpImportanceMmaKernel,
+// mma::DkDvMmaKernel: 64 rows per CTA, 16 per warp, operands straight from L1/L2) remain for
+// geometries the shared-memory importance mapping does not cover and for A/B timing
+// (CompressedKernelChoice in kernel_choice.h). fp32 inputs keep the scalar kernels of attention_tile.cuh.
+#include <atomic>
+#include <climits>
+#include <string>
 #include <type_traits>
 
+#include "kernel_choice.h"
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
 
 namespace nsad::nsa::cuda::detail {
+
+namespace {
+std::atomic<CompressedKernelChoice::Path> compressed_choice{CompressedKernelChoice::Path::kAuto};
+}  // namespace
+
+void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice) {
+  compressed_choice.store(choice.path);
+}
+
+CompressedKernelChoice GetCompressedKernelChoice() {
+  CompressedKernelChoice choice;
+  choice.path = compressed_choice.load();
+  return choice;
+}
+
 namespace {
 
 constexpr int kQueriesPerKeyCta = 512;  // query positions per key-side backward CTA
@@ -203,6 +226,509 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Forward and importance with shared-memory tiles (FlashAttention-2 style), the default for
+// bf16/fp16. A CTA owns Cfg::kRows flattened (position, head) rows of one group (whole
+// positions, so a position's heads meet in one CTA for importance), kM m16 tiles per warp.
+// Each tile of kN compressed keys (and values) is copied once into shared memory with
+// cp.async, double buffered so the next tile's copy overlaps this tile's products, and read
+// by all warps with ldmatrix: one L2 read per key per CTA instead of one per warp.
+//
+// The importance pass (kImportance) runs the same walk with K only and no P.V: with the
+// final lse, P = exp2(S - lse) is exact per tile, and its mapping onto selection blocks is
+// itself a small product X = P W, W[j][sb] = token overlap of compressed block j with
+// selection block sb (integers <= l, exact in fp16; P in [0, 1] as a sum of two fp16
+// parts, see SplitHalf2). X goes to shared memory, where the group's heads are summed in a fixed
+// order. Tiles start at multiples of kN blocks and kN * d is a multiple of l' (checked on
+// the host), so every tile starts on a selection-block boundary and W is the same for every
+// tile. Only the last few selection blocks of a tile are shared with the next tile (blocks
+// are l >= d tokens long); their sums are carried in shared memory to the next tile of the
+// same CTA, everything else is final and stored plainly, and the CTA zero-fills the
+// selection blocks past its last tile: no atomics, no zero-initialised importance tensor,
+// and the result does not depend on scheduling.
+template <int D>
+struct CmpSmemCfg {
+  static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
+  static constexpr int kWarps = 8 / kM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kM * kWarps;  // 128 rows per CTA
+  static constexpr int kN = 64;                   // compressed keys per tile
+  static constexpr int kTileBytes = kN * D * 2;
+  static constexpr int kSbTiles = 5;          // selection-block columns per key tile / 8
+  static constexpr int kXld = 8 * kSbTiles + 4;  // floats per row of staged X
+  static constexpr int kFwdSmem = 2 * 2 * kTileBytes;  // K and V, two stages
+  static constexpr int kMaxCarry = 4;  // selection blocks a tile shares with the next
+  static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4;
+};
+
+// (a, b) as fp16 pairs hi + lo: hi rounded, lo the rounding residual.
+__device__ __forceinline__ void SplitHalf2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(a, b);
+  const __half2 l = __floats2half2_rn(a - __low2float(h), b - __high2float(h));
+  memcpy(&hi, &h, 4);
+  memcpy(&lo, &l, 4);
+}
+
+// Selection blocks a tile of kN compressed blocks can touch (W's columns).
+__host__ __device__ inline int CmpTileSpan(int kN, int cmp_block, int cmp_stride, int slc_block) {
+  return ((kN - 1) * cmp_stride + cmp_block - 1) / slc_block + 1;
+}
+
+template <typename scalar_t, int D, bool kImportance>
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
+    CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                  const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
+                  float* __restrict__ lse, float* __restrict__ importance, Shape s,
+                  int positions_per_cta, int NS, int slc_block, int cmp_block, int cmp_stride,
+                  float scale_log2) {
+  using Cfg = CmpSmemCfg<D>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16, kNt = kN / 8;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kStageBytes = (kImportance ? 1 : 2) * Cfg::kTileBytes;
+  extern __shared__ float smem[];  // the one dynamic buffer of the file's kernels, see below
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0);
+  const int rows = positions * hq;
+  const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
+
+  // The lane's rows: m16 tile m, half h is CTA row 16 * (kM * warp + m) + g + 8h.
+  int64_t row_index[kM][2];  // into [B,T,H]
+  bool row_valid[kM][2];
+  int row_vis[kM][2];
+  uint32_t qf[kM][kKs][4];  // A fragments of Q, standard m16n8k16 layout
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * (kM * warp + m) + g + 8 * h;
+      row_valid[m][h] = r < rows;
+      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
+      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
+        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
+        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
+      }
+    }
+  }
+  // Keys every row of the CTA sees (no mask needed below it) and keys the last row sees.
+  const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN, count = min(kN, vis_end - key0);
+    const uint32_t buf = smem_base + (tile & 1) * kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf, k_base + key0 * kv_stride, kv_stride, count);
+    if constexpr (!kImportance)
+      mma::StageTileAsync<D, kN, Cfg::kThreads>(buf + Cfg::kTileBytes, v_base + key0 * kv_stride,
+                                                 kv_stride, count);
+  };
+
+  // Forward state (unused by the importance pass; the compiler drops it there).
+  float o[kM][D / 8][4], m_run[kM][2], l_run[kM][2];
+  // Importance state: the lane's lse, W's B fragments (fp16), the staged X rows.
+  float row_lse[kM][2];
+  uint32_t wf[kN / 16][Cfg::kSbTiles][2];
+  float* const xs = smem + 2 * Cfg::kTileBytes / 4;
+  float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
+  int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
+  if constexpr (!kImportance) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
+      m_run[m][0] = m_run[m][1] = -INFINITY;
+      l_run[m][0] = l_run[m][1] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
+    sb_tiles = (CmpTileSpan(kN, cmp_block, cmp_stride, slc_block) + 7) / 8;
+    // Overlap in tokens of tile block j ([j d, j d + l)) with tile selection block n.
+    const auto overlap = [&](int j, int n) {
+      const int lo = max(j * cmp_stride, n * slc_block);
+      const int hi = min(j * cmp_stride + cmp_block, (n + 1) * slc_block);
+      return static_cast<float>(max(0, hi - lo));
+    };
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < Cfg::kSbTiles; ++n) {
+        const int j = 16 * kk + 2 * c, col = 8 * n + g;
+        wf[kk][n][0] = mma::Pack<false>(overlap(j, col), overlap(j + 1, col));
+        wf[kk][n][1] = mma::Pack<false>(overlap(j + 8, col), overlap(j + 9, col));
+      }
+    }
+  }
+
+  if (tiles > 0) {
+    stage(0);
+    mma::CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();  // this tile landed for everyone; everyone is done with the other buffer
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    const int key0 = tile * kN;
+    const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes;
+    if (active) {
+      float sc[kM][kNt][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) sc[m][n][0] = sc[m][n][1] = sc[m][n][2] = sc[m][n][3] = 0.f;
+      // S = Q K^T: one ldmatrix.x4 gives keys 8n..8n+7 for two k16 steps.
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+        for (int p = 0; p < D / 32; ++p) {
+          uint32_t kb[4];
+          mma::LdMatrixX4(kb, kbuf + mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3)));
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            const uint32_t(&a0)[4] = qf[m][2 * p];
+            const uint32_t(&a1)[4] = qf[m][2 * p + 1];
+            mma::Mma<kBf16>(sc[m][n], a0[0], a0[1], a0[2], a0[3], kb[0], kb[1]);
+            mma::Mma<kBf16>(sc[m][n], a1[0], a1[1], a1[2], a1[3], kb[2], kb[3]);
+          }
+        }
+      }
+      const bool masked = key0 + kN > vis_min;  // CTA-uniform
+      if constexpr (!kImportance) {
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = sc[m][n][2 * h + e];
+                x = (!masked || key0 + 8 * n + 2 * c + e < row_vis[m][h]) ? x * scale_log2 : -INFINITY;
+                mx = fmaxf(mx, x);
+              }
+            }
+            const float m_new = fmaxf(m_run[m][h], mma::QuadMax(mx));
+            const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
+            const float alpha = exp2f(m_run[m][h] - base);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = sc[m][n][2 * h + e];
+                x = exp2f(x - base);
+                sum += x;
+              }
+            }
+            l_run[m][h] = l_run[m][h] * alpha + sum;
+            m_run[m][h] = m_new;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+              o[m][i][2 * h] *= alpha;
+              o[m][i][2 * h + 1] *= alpha;
+            }
+          }
+        }
+        // O += P V: P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
+        // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).
+        const uint32_t vbuf = kbuf + Cfg::kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          uint32_t a[kM][4];
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            a[m][0] = mma::Pack<kBf16>(sc[m][2 * kk][0], sc[m][2 * kk][1]);
+            a[m][1] = mma::Pack<kBf16>(sc[m][2 * kk][2], sc[m][2 * kk][3]);
+            a[m][2] = mma::Pack<kBf16>(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1]);
+            a[m][3] = mma::Pack<kBf16>(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3]);
+          }
+#pragma unroll
+          for (int p = 0; p < D / 16; ++p) {
+            uint32_t vb[4];
+            mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8),
+                                                                    2 * p + (lane >> 4)));
+#pragma unroll
+            for (int m = 0; m < kM; ++m) {
+              mma::Mma<kBf16>(o[m][2 * p], a[m][0], a[m][1], a[m][2], a[m][3], vb[0], vb[1]);
+              mma::Mma<kBf16>(o[m][2 * p + 1], a[m][0], a[m][1], a[m][2], a[m][3], vb[2], vb[3]);
+            }
+          }
+        }
+      } else {
+        // P = exp2(S - lse), then X = P W into shared memory. P goes in as two fp16 parts
+        // (P = hi + lo, lo the rounding residual), so X keeps ~fp32 accuracy.
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int h = e >> 1, key = key0 + 8 * n + 2 * c + (e & 1);
+              float& x = sc[m][n][e];
+              x = (!masked || key < row_vis[m][h]) ? exp2f(x * scale_log2 - row_lse[m][h]) : 0.f;
+            }
+          }
+          float xa[Cfg::kSbTiles][4];
+#pragma unroll
+          for (int n = 0; n < Cfg::kSbTiles; ++n) xa[n][0] = xa[n][1] = xa[n][2] = xa[n][3] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < kN / 16; ++kk) {
+            uint32_t hi[4], lo[4];
+            SplitHalf2(sc[m][2 * kk][0], sc[m][2 * kk][1], hi[0], lo[0]);
+            SplitHalf2(sc[m][2 * kk][2], sc[m][2 * kk][3], hi[1], lo[1]);
+            SplitHalf2(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1], hi[2], lo[2]);
+            SplitHalf2(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3], hi[3], lo[3]);
+#pragma unroll
+            for (int n = 0; n < Cfg::kSbTiles; ++n) {
+              if (n < sb_tiles) {
+                mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], wf[kk][n][0], wf[kk][n][1]);
+                mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], wf[kk][n][0], wf[kk][n][1]);
+              }
+            }
+          }
+          const int r = 16 * (kM * warp + m) + g;
+#pragma unroll
+          for (int n = 0; n < Cfg::kSbTiles; ++n) {
+            if (n < sb_tiles) {
+              *reinterpret_cast<float2*>(xs + r * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][0], xa[n][1]);
+              *reinterpret_cast<float2*>(xs + (r + 8) * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][2], xa[n][3]);
+            }
+          }
+        }
+      }
+    }
+    if constexpr (kImportance) {
+      __syncthreads();  // X of every row is staged
+      const int count = min(kN, vis_end - key0);
+      const int sb_lo = key0 * cmp_stride / slc_block;
+      const int sb_hi = min(NS - 1, ((key0 + count - 1) * cmp_stride + cmp_block - 1) / slc_block);
+      // Selection blocks from sb_next on get more from the next tile: carry them.
+      const int sb_next = tile + 1 < tiles ? (key0 + kN) * cmp_stride / slc_block : sb_hi + 1;
+      const int ncol = sb_hi - sb_lo + 1;
+      const float* carry_in = carry_s + (tile & 1) * Cfg::kRows * Cfg::kMaxCarry;
+      float* carry_out = carry_s + ((tile + 1) & 1) * Cfg::kRows * Cfg::kMaxCarry;
+      for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
+        const int pos = i / ncol, col = i - pos * ncol;
+        const float* x = xs + pos * hq * Cfg::kXld + col;
+        float sum = col < carried ? carry_in[pos * Cfg::kMaxCarry + col] : 0.f;
+        for (int h = 0; h < hq; ++h) sum += x[h * Cfg::kXld];
+        const int sb = sb_lo + col;
+        if (sb < sb_next)
+          importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb] = sum;
+        else
+          carry_out[pos * Cfg::kMaxCarry + sb - sb_next] = sum;
+      }
+      carried = sb_hi + 1 - sb_next;
+      sb_end = sb_next;
+    }
+  }
+  if constexpr (kImportance) {
+    // Selection blocks no visible compressed block overlaps.
+    const int ncol = NS - sb_end;
+    for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
+      const int pos = i / ncol, col = i - pos * ncol;
+      importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb_end + col] = 0.f;
+    }
+  }
+
+  if constexpr (!kImportance) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float l = mma::QuadSum(l_run[m][h]);
+        if (!row_valid[m][h]) continue;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        uint32_t* orow = reinterpret_cast<uint32_t*>(out + row_index[m][h] * D);
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+          orow[4 * i + c] = mma::Pack<kBf16>(o[m][i][2 * h] * inv, o[m][i][2 * h + 1] * inv);
+        if (c == 0) lse[row_index[m][h]] = l > 0.f ? m_run[m][h] + log2f(l) : INFINITY;
+      }
+    }
+  }
+}
+
+// dQ with shared-memory K/V tiles, the same CTA shape and staging as CmpSmemKernel's
+// forward. Per 16-key step: S = Q K^T and dP = dO V^T (ldmatrix of K / V rows),
+// dS = P (dP - delta) with P = exp2(S - lse), dQ += dS K (ldmatrix.trans of the same K
+// rows). Working in 16-key steps keeps S / dP small, so two m16 tiles per warp fit at D=64.
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
+    CmpSmemDqKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                    const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta,
+                    scalar_t* __restrict__ dq, Shape s, int positions_per_cta, int cmp_block,
+                    int cmp_stride, float scale_log2, float dq_scale) {
+  using Cfg = CmpSmemCfg<D>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int kStageBytes = 2 * Cfg::kTileBytes;
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0);
+  const int rows = positions * hq;
+  const bool active = 16 * kM * warp < rows;
+
+  int64_t row_index[kM][2];
+  bool row_valid[kM][2];
+  int row_vis[kM][2];
+  float row_lse[kM][2], row_delta[kM][2];
+  uint32_t qf[kM][kKs][4], df[kM][kKs][4];  // A fragments of Q and dO
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * (kM * warp + m) + g + 8 * h;
+      row_valid[m][h] = r < rows;
+      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
+      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+      row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
+      row_delta[m][h] = row_valid[m][h] ? delta[row_index[m][h]] : 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
+        const uint32_t* dr = reinterpret_cast<const uint32_t*>(dout + row_index[m][h] * D);
+        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
+        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
+        df[m][ks][h] = row_valid[m][h] ? __ldg(dr + 8 * ks + c) : 0u;
+        df[m][ks][2 + h] = row_valid[m][h] ? __ldg(dr + 8 * ks + 4 + c) : 0u;
+      }
+    }
+  }
+  const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN, count = min(kN, vis_end - key0);
+    const uint32_t buf = smem_base + (tile & 1) * kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf, k_base + key0 * kv_stride, kv_stride, count);
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf + Cfg::kTileBytes, v_base + key0 * kv_stride,
+                                               kv_stride, count);
+  };
+  float acc[kM][D / 8][4];
+#pragma unroll
+  for (int m = 0; m < kM; ++m)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
+
+  if (tiles > 0) {
+    stage(0);
+    mma::CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    if (!active) continue;
+    const int key0 = tile * kN;
+    const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes, vbuf = kbuf + Cfg::kTileBytes;
+    const bool masked = key0 + kN > vis_min;
+#pragma unroll 1  // the steps share nothing; unrolling them only raises register pressure
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      float sc[kM][2][4], dp[kM][2][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[m][nn][e] = dp[m][nn][e] = 0.f;
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn) {
+        const int n = 2 * kk + nn;
+#pragma unroll
+        for (int p = 0; p < D / 32; ++p) {
+          const uint32_t off = mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3));
+          uint32_t kb[4], vb[4];
+          mma::LdMatrixX4(kb, kbuf + off);
+          mma::LdMatrixX4(vb, vbuf + off);
+#pragma unroll
+          for (int m = 0; m < kM; ++m) {
+            const uint32_t(&q0)[4] = qf[m][2 * p];
+            const uint32_t(&q1)[4] = qf[m][2 * p + 1];
+            const uint32_t(&d0)[4] = df[m][2 * p];
+            const uint32_t(&d1)[4] = df[m][2 * p + 1];
+            mma::Mma<kBf16>(sc[m][nn], q0[0], q0[1], q0[2], q0[3], kb[0], kb[1]);
+            mma::Mma<kBf16>(sc[m][nn], q1[0], q1[1], q1[2], q1[3], kb[2], kb[3]);
+            mma::Mma<kBf16>(dp[m][nn], d0[0], d0[1], d0[2], d0[3], vb[0], vb[1]);
+            mma::Mma<kBf16>(dp[m][nn], d1[0], d1[1], d1[2], d1[3], vb[2], vb[3]);
+          }
+        }
+      }
+      uint32_t a[kM][4];
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1, key = key0 + 16 * kk + 8 * nn + 2 * c + (e & 1);
+            const bool ok = !masked || key < row_vis[m][h];
+            const float p = ok ? exp2f(sc[m][nn][e] * scale_log2 - row_lse[m][h]) : 0.f;
+            sc[m][nn][e] = p * (dp[m][nn][e] - row_delta[m][h]);  // dS
+          }
+        }
+        a[m][0] = mma::Pack<kBf16>(sc[m][0][0], sc[m][0][1]);
+        a[m][1] = mma::Pack<kBf16>(sc[m][0][2], sc[m][0][3]);
+        a[m][2] = mma::Pack<kBf16>(sc[m][1][0], sc[m][1][1]);
+        a[m][3] = mma::Pack<kBf16>(sc[m][1][2], sc[m][1][3]);
+      }
+      // dQ += dS K: K rows 16kk.. as the B operand over keys (transposed by ldmatrix).
+#pragma unroll
+      for (int p = 0; p < D / 16; ++p) {
+        uint32_t kt[4];
+        mma::LdMatrixX4Trans(kt, kbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8),
+                                                                2 * p + (lane >> 4)));
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+          mma::Mma<kBf16>(acc[m][2 * p], a[m][0], a[m][1], a[m][2], a[m][3], kt[0], kt[1]);
+          mma::Mma<kBf16>(acc[m][2 * p + 1], a[m][0], a[m][1], a[m][2], a[m][3], kt[2], kt[3]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!row_valid[m][h]) continue;
+      uint32_t* drow = reinterpret_cast<uint32_t*>(dq + row_index[m][h] * D);
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        drow[4 * i + c] = mma::Pack<kBf16>(acc[m][i][2 * h] * dq_scale, acc[m][i][2 * h + 1] * dq_scale);
+    }
+  }
+}
+
 struct CmpQueryPolicy {
   int positions_per_cta, cmp_block, cmp_stride;
 
@@ -253,6 +779,183 @@ struct CmpKeyPolicy {
     return j * cmp_stride + cmp_block - 1 <= t;
   }
 };
+
+// Key-side backward (dK, dV) with shared-memory tiles, the work split of CmpKeyPolicy: a CTA
+// owns 64 compressed keys of (b, g) (16 per warp, the MMA rows) and walks the flattened
+// (position, head) query rows of its position range kR at a time. The key and value chunk is
+// staged once; each query step stages the Q and dO rows (cp.async, double buffered) plus
+// their lse / delta / position, and every warp reads them with ldmatrix:
+//   S^T = K Q^T, dP^T = V dO^T (Q, dO rows non-transposed), P^T = exp2(S^T - lse),
+//   dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q (dO, Q rows transposed).
+// The CTA's sums are added into the float32 buffers once at the end (two CTAs share a chunk
+// only when its query range is split).
+template <int D>
+struct CmpDkDvCfg {
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps, kKeys = 16 * kWarps;
+  static constexpr int kR = D == 64 ? 64 : 32;  // query rows per step (register budget)
+  static constexpr int kKeyBytes = kKeys * D * 2, kRowBytes = kR * D * 2;
+  static constexpr int kStageBytes = 2 * kRowBytes + kR * 12;  // Q, dO, lse, delta, position
+  static constexpr int kSmem = 2 * kKeyBytes + 2 * kStageBytes;
+};
+
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(CmpDkDvCfg<D>::kThreads)
+    CmpSmemDkDvKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                      const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                      const float* __restrict__ lse, const float* __restrict__ delta,
+                      float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
+                      CmpKeyPolicy pol, float scale) {
+  using Cfg = CmpDkDvCfg<D>;
+  static_assert(Cfg::kKeys == kKeyChunk, "CmpKeyPolicy hands out kKeyChunk keys per CTA");
+  constexpr int kR = Cfg::kR;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // CTA-uniform
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const uint32_t k_s = smem_base, v_s = smem_base + Cfg::kKeyBytes;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const float scale_log2 = scale * kLog2e;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const int total = w.num_queries * hq;  // flattened (position, head) rows
+  const int tiles = (total + kR - 1) / kR;
+  const int first = static_cast<int>(w.query_base);
+
+  mma::StageTileAsync<D, Cfg::kKeys, Cfg::kThreads>(k_s, k + KeyOffset(s, w.b, w.keys.start, w.g),
+                                                    kv_stride, w.keys.count);
+  mma::StageTileAsync<D, Cfg::kKeys, Cfg::kThreads>(v_s, v + KeyOffset(s, w.b, w.keys.start, w.g),
+                                                    kv_stride, w.keys.count);
+  const auto stage_base = [&](int tile) { return 2 * Cfg::kKeyBytes + (tile & 1) * Cfg::kStageBytes; };
+  const auto stage = [&](int tile) {
+    const int base = stage_base(tile);
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int it = 0; it < kR * kChunks / Cfg::kThreads; ++it) {
+      const int i = static_cast<int>(threadIdx.x) + it * Cfg::kThreads;
+      const int row = i / kChunks, chunk = i % kChunks, rho = tile * kR + row;
+      const bool ok = rho < total;
+      const int64_t off = ok ? QueryOffset(s, w.b, first + rho / hq, w.g * hq + rho % hq) + chunk * 8 : 0;
+      const uint32_t dst = smem_base + base + mma::SwizzledOffset<D>(row, chunk);
+      mma::CpAsync16(dst, q + off, ok);
+      mma::CpAsync16(dst + Cfg::kRowBytes, dout + off, ok);
+    }
+    if (threadIdx.x < kR) {
+      const int rho = tile * kR + static_cast<int>(threadIdx.x);
+      float* info = smem + (base + 2 * Cfg::kRowBytes) / 4;
+      if (rho < total) {
+        const int t = first + rho / hq;
+        const int64_t row = (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq;
+        info[threadIdx.x] = lse[row];
+        info[kR + threadIdx.x] = delta[row];
+        reinterpret_cast<int*>(info)[2 * kR + threadIdx.x] = t;
+      } else {
+        info[threadIdx.x] = INFINITY;
+        info[kR + threadIdx.x] = 0.f;
+        reinterpret_cast<int*>(info)[2 * kR + threadIdx.x] = -1;  // sees no key
+      }
+    }
+  };
+
+  // The lane's key rows (g, g + 8 of the warp's 16) and the first position that sees them.
+  int min_t[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key_local = 16 * warp + g + 8 * h;
+    min_t[h] = key_local < w.keys.count ? (w.keys.start + key_local) * pol.cmp_stride + pol.cmp_block - 1
+                                        : INT_MAX;
+  }
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+
+  stage(0);
+  mma::CpAsyncCommit();
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    const int base = stage_base(tile);
+    const uint32_t q_t = smem_base + base, do_t = q_t + Cfg::kRowBytes;
+    const float* info = smem + (base + 2 * Cfg::kRowBytes) / 4;
+    if (16 * warp >= w.keys.count) continue;  // warp without keys (last chunk)
+    float st[kR / 8][4], dpt[kR / 8][4];
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      // A fragments of the warp's 16 key / value rows, k16 step ks.
+      const uint32_t a_off = mma::SwizzledOffset<D>(16 * warp + (lane & 7) + (lane & 8), 2 * ks + (lane >> 4));
+      uint32_t ka[4], va[4];
+      mma::LdMatrixX4(ka, k_s + a_off);
+      mma::LdMatrixX4(va, v_s + a_off);
+#pragma unroll
+      for (int j = 0; j < kR / 8; j += 2) {
+        // B fragments of query rows 8j.. and 8j+8.. for this k step.
+        const uint32_t b_off = mma::SwizzledOffset<D>(8 * j + (lane & 7) + ((lane >> 4) << 3), 2 * ks + ((lane >> 3) & 1));
+        uint32_t qb[4], db[4];
+        mma::LdMatrixX4(qb, q_t + b_off);
+        mma::LdMatrixX4(db, do_t + b_off);
+        mma::Mma<kBf16>(st[j], ka[0], ka[1], ka[2], ka[3], qb[0], qb[1]);
+        mma::Mma<kBf16>(st[j + 1], ka[0], ka[1], ka[2], ka[3], qb[2], qb[3]);
+        mma::Mma<kBf16>(dpt[j], va[0], va[1], va[2], va[3], db[0], db[1]);
+        mma::Mma<kBf16>(dpt[j + 1], va[0], va[1], va[2], va[3], db[2], db[3]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kR / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * c + (e & 1), h = e >> 1;
+        const int t = reinterpret_cast<const int*>(info)[2 * kR + col];
+        const float p = t >= min_t[h] ? exp2f(st[j][e] * scale_log2 - info[col]) : 0.f;
+        st[j][e] = p;
+        dpt[j][e] = p * (dpt[j][e] - info[kR + col]);  // dS^T
+      }
+    }
+    // dV += P^T dO, dK += dS^T Q: the query rows are the contraction (ldmatrix.trans).
+#pragma unroll
+    for (int kk = 0; kk < kR / 16; ++kk) {
+      const uint32_t p0 = mma::Pack<kBf16>(st[2 * kk][0], st[2 * kk][1]);
+      const uint32_t p1 = mma::Pack<kBf16>(st[2 * kk][2], st[2 * kk][3]);
+      const uint32_t p2 = mma::Pack<kBf16>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      const uint32_t p3 = mma::Pack<kBf16>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+      const uint32_t s0 = mma::Pack<kBf16>(dpt[2 * kk][0], dpt[2 * kk][1]);
+      const uint32_t s1 = mma::Pack<kBf16>(dpt[2 * kk][2], dpt[2 * kk][3]);
+      const uint32_t s2 = mma::Pack<kBf16>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      const uint32_t s3 = mma::Pack<kBf16>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+      for (int p = 0; p < D / 16; ++p) {
+        const uint32_t off = mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4));
+        uint32_t db[4], qb[4];
+        mma::LdMatrixX4Trans(db, do_t + off);
+        mma::LdMatrixX4Trans(qb, q_t + off);
+        mma::Mma<kBf16>(dv[2 * p], p0, p1, p2, p3, db[0], db[1]);
+        mma::Mma<kBf16>(dv[2 * p + 1], p0, p1, p2, p3, db[2], db[3]);
+        mma::Mma<kBf16>(dk[2 * p], s0, s1, s2, s3, qb[0], qb[1]);
+        mma::Mma<kBf16>(dk[2 * p + 1], s0, s1, s2, s3, qb[2], qb[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key_local = 16 * warp + g + 8 * h;
+    if (key_local >= w.keys.count) continue;
+    const int64_t off = KeyOffset(s, w.b, w.keys.start + key_local, w.g);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      atomicAdd(reinterpret_cast<float2*>(dk_acc + off + 8 * i + 2 * c),
+                make_float2(dk[i][2 * h] * scale, dk[i][2 * h + 1] * scale));
+      atomicAdd(reinterpret_cast<float2*>(dv_acc + off + 8 * i + 2 * c),
+                make_float2(dv[i][2 * h], dv[i][2 * h + 1]));
+    }
+  }
+}
 
 // importance[b,t,g,sb] = sum_{h in g} sum_j p[t,h,j] * |cmp block j ∩ selection block sb|.
 // Each CTA adds its chunk's share with one atomic per (position, selection block): a
@@ -317,6 +1020,54 @@ CmpQueryPolicy QueryPolicy(const Shape& s, const Geo& g) {
   return {std::max(1, kMaxRows / s.hq()), g.cmp_block, g.cmp_stride};
 }
 
+// The shared-memory forward needs every key tile to start on a selection-block boundary
+// (kN * d a multiple of l') and W to fit its registers; other geometries, and a forced
+// CompressedKernelChoice::Path::kRegisters (tests, A/B timing), take the register-only
+// kernels above.
+bool LegacyRequested() {
+  return GetCompressedKernelChoice().path == CompressedKernelChoice::Path::kRegisters;
+}
+
+bool UseSmemForward(const Geo& g) {
+  const bool legacy = LegacyRequested();
+  constexpr int kN = CmpSmemCfg<64>::kN;
+  const int span = CmpTileSpan(kN, g.cmp_block, g.cmp_stride, g.slc_block);
+  return !legacy && g.cmp_block >= g.cmp_stride && (kN * g.cmp_stride) % g.slc_block == 0 &&
+         span <= 8 * CmpSmemCfg<64>::kSbTiles &&
+         span - kN * g.cmp_stride / g.slc_block <= CmpSmemCfg<64>::kMaxCarry;
+}
+
+template <typename Kernel>
+void AllowSmem(Kernel kernel, int bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename scalar_t, int D>
+void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
+                 at::Tensor& lse, at::Tensor& importance, const Shape& s, const Geo& g, int NS,
+                 float scale_log2) {
+  using Cfg = CmpSmemCfg<D>;
+  const int per_cta = Cfg::kRows / s.hq();
+  const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto fwd = CmpSmemKernel<scalar_t, D, false>;
+  const auto imp = CmpSmemKernel<scalar_t, D, true>;
+  AllowSmem(fwd, Cfg::kFwdSmem);
+  AllowSmem(imp, Cfg::kImpSmem);
+  fwd<<<grid, Cfg::kThreads, Cfg::kFwdSmem, stream>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+      out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, per_cta, NS, g.slc_block,
+      g.cmp_block, g.cmp_stride, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  imp<<<grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
+      lse.data_ptr<float>(), importance.data_ptr<float>(), s, per_cta, NS, g.slc_block,
+      g.cmp_block, g.cmp_stride, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,
@@ -328,7 +1079,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   auto out = at::empty_like(q);
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
-  auto importance = at::zeros({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat));
+  // The shared-memory kernels write every importance value; the others add into zeros.
+  const bool smem_path = q.scalar_type() != at::kFloat && UseSmemForward(g);
+  auto importance = smem_path ? at::empty({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat))
+                              : at::zeros({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat));
   const CmpQueryPolicy pol = QueryPolicy(s, g);
   const int rows = pol.positions_per_cta * s.hq();
   const dim3 grid((s.T + pol.positions_per_cta - 1) / pol.positions_per_cta, s.G, s.B);
@@ -337,6 +1091,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
+        if (smem_path) {
+          SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, importance, s, g, NS, scale_log2);
+          return;
+        }
         const int per_cta = MmaPositionsPerCta(s);
         const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
         if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
@@ -388,7 +1146,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
       if constexpr (!std::is_same_v<scalar_t, float>) {
         const int per_cta = MmaPositionsPerCta(s);
         const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-        if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
+        using Cfg = CmpSmemCfg<D>;
+        const int smem_per_cta = Cfg::kRows / s.hq();
+        const dim3 sgrid((s.T + smem_per_cta - 1) / smem_per_cta, s.G, s.B);
+        if (!LegacyRequested()) {
+          if (sgrid.x > 0 && sgrid.y > 0 && sgrid.z > 0) {
+            const auto kernel = CmpSmemDqKernel<scalar_t, D>;
+            AllowSmem(kernel, Cfg::kFwdSmem);
+            kernel<<<sgrid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+                q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+                dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+                dq.data_ptr<scalar_t>(), s, smem_per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
+                scale);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+        } else if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
           CmpQueryMmaKernel<scalar_t, D, true>
               <<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
@@ -404,7 +1176,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
                dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
       }
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0) {
+        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0 && !LegacyRequested()) {
+          const auto kernel = CmpSmemDkDvKernel<scalar_t, D>;
+          AllowSmem(kernel, CmpDkDvCfg<D>::kSmem);
+          kernel<<<kgrid, CmpDkDvCfg<D>::kThreads, CmpDkDvCfg<D>::kSmem,
+                   at::cuda::getCurrentCUDAStream()>>>(
+              q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+              dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
+              dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        } else if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0) {
           mma::DkDvMmaKernel<scalar_t, D, CmpKeyPolicy>
               <<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),

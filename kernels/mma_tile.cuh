@@ -2,8 +2,10 @@
 // of the selected and compressed attention kernels. fp32 inputs keep the scalar kernels of
 // attention_tile.cuh.
 //
-// Everything here is warp-level and works straight from registers: operands are loaded from
-// global memory (L1/L2) with 16-byte loads into mma fragments, no shared-memory staging.
+// Most of this is warp-level and works straight from registers: operands are loaded from
+// global memory (L1/L2) with 16-byte loads into mma fragments, no shared-memory staging
+// (the cp.async / ldmatrix helpers further down serve the compressed branch's kernels,
+// whose warps share staged tiles and use the standard fragment layout instead).
 // Two facts make that possible:
 //   * In S = Q K^T the contraction runs over head_dim, and the order of a contraction does
 //     not matter as long as both operands use the same one. So each lane loads 16-byte
@@ -155,6 +157,59 @@ __device__ __forceinline__ void PRTile(float (&acc)[D / 8][4], const float (&p)[
                    Transpose(rows[2 * kk + 1].Word(i, m)));
       }
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared-memory staging for kernels whose warps share one key/value tile (compressed
+// branch): cp.async copies 16-byte chunks global -> shared without a register round trip,
+// ldmatrix hands them out as mma fragments. A staged row of D 16-bit elements is D / 8
+// chunks; chunk c of row r sits at chunk c ^ (r % 8) so the 8 row addresses of one ldmatrix
+// (same logical chunk, consecutive rows) hit 8 different bank groups.
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Copies 16 bytes, or writes 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of D-element rows.
+template <int D>
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
+  return static_cast<uint32_t>(row * (D * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+// Issues the cp.async copies of rows [0, kRows) of a tile (row i at src + i * stride
+// elements) into a swizzled tile at smem address dst; rows >= count are zero-filled so
+// that masked products never meet NaN garbage. All threads of the CTA take part.
+template <int D, int kRows, int kCtaThreads, typename scalar_t>
+__device__ __forceinline__ void StageTileAsync(uint32_t dst, const scalar_t* src, int64_t stride,
+                                               int count) {
+  constexpr int kChunks = D / 8;
+  static_assert(kRows * kChunks % kCtaThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int it = 0; it < kRows * kChunks / kCtaThreads; ++it) {
+    const int i = static_cast<int>(threadIdx.x) + it * kCtaThreads;
+    const int row = i / kChunks, chunk = i % kChunks;
+    const bool ok = row < count;
+    CpAsync16(dst + SwizzledOffset<D>(row, chunk), ok ? src + row * stride + chunk * 8 : src, ok);
   }
 }
 

@@ -22,7 +22,7 @@
 // price of one float32 atomic add per key element per slice (not per query).
 //
 // Tests and benchmarks force a forward/dQ kernel, a dK/dV kernel or register budget, and the
-// queries per dK/dV work item through SelectedKernelChoice (selected_choice.h), read once per
+// queries per dK/dV work item through SelectedKernelChoice (kernel_choice.h), read once per
 // call; the default (all auto) is the dispatch below. kernels_test forces every path.
 #include <algorithm>
 #include <climits>
@@ -31,7 +31,7 @@
 
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
-#include "selected_choice.h"
+#include "kernel_choice.h"
 
 namespace nsad::nsa::cuda::detail {
 
@@ -390,7 +390,7 @@ __device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t
 
 // kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
 // Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 2 at D=128 (more would spill
-// heavily); NSAD_SLC_DKDV_VARIANT=r16x3|r32x1 picks another D=64 build (A/B knob).
+// heavily); SelectedKernelChoice::DkDv (kernel_choice.h) forces another D=64 build (A/B).
 template <typename scalar_t, int D, int kR, int kMinCtas>
 __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,

@@ -22,7 +22,7 @@
 
 #include "nsa/ops.h"
 #include "nsa_cuda.h"
-#include "selected_choice.h"
+#include "kernel_choice.h"
 
 namespace nsad::nsa {
 namespace {
@@ -31,6 +31,10 @@ struct Case {
   int64_t T, H, G, D;
   torch::ScalarType dtype;
   bool small_geometry;  // slc_block 32, top_n 5, window 64: more blocks, fewer chosen
+  // Nonzero: overrides slc_block. 16 makes a 64-block compressed tile touch 65 selection
+  // blocks, more than the shared-memory compressed kernels map, so the register-only
+  // compressed kernels run (their fallback).
+  int64_t slc_block = 0;
 };
 
 std::string Name(const testing::TestParamInfo<Case>& info) {
@@ -38,7 +42,8 @@ std::string Name(const testing::TestParamInfo<Case>& info) {
   return "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_G" + std::to_string(c.G) +
          "_D" + std::to_string(c.D) +
          (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16") +
-         (c.small_geometry ? "_smallgeo" : "");
+         (c.small_geometry ? "_smallgeo" : "") +
+         (c.slc_block ? "_slc" + std::to_string(c.slc_block) : "");
 }
 
 constexpr int64_t kBatch = 2;
@@ -54,6 +59,7 @@ class KernelsTest : public testing::TestWithParam<Case> {
       geo_.top_n = 5;
       geo_.window = 64;
     }
+    if (GetParam().slc_block) geo_.slc_block = GetParam().slc_block;
   }
 
   double Tolerance() const { return GetParam().dtype == torch::kFloat ? 1e-4 : 2e-2; }
@@ -90,6 +96,7 @@ class KernelsTest : public testing::TestWithParam<Case> {
   }
 
   void CheckSelectedAttention();
+  void CheckCompressedAttention();
 
   Geometry geo_;
 };
@@ -178,7 +185,18 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
 }
 
-TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) {
+TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) { CheckCompressedAttention(); }
+
+// The register-only kernels are the fallback for geometries the shared-memory kernels cannot
+// take; force them on every shape so that fallback stays correct too.
+TEST_P(KernelsTest, CompressedAttentionRegisterKernels) {
+  cuda::detail::CompressedKernelChoice choice;
+  choice.path = cuda::detail::CompressedKernelChoice::Path::kRegisters;
+  const cuda::detail::ScopedCompressedKernelChoice force(choice);  // restored on failure too
+  CheckCompressedAttention();
+}
+
+void KernelsTest::CheckCompressedAttention() {
   const Case c = GetParam();
   const int64_t N = NumCmpBlocks(c.T, geo_), NS = NumSlcBlocks(c.T, geo_);
   auto q = Random({kBatch, c.T, c.H, c.D});
@@ -324,6 +342,11 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{1000, 8, 4, 64, torch::kBFloat16, true},
                     Case{2061, 64, 4, 128, torch::kBFloat16, false},
                     Case{2061, 12, 2, 64, torch::kBFloat16, true},
+                    // Several 64-block key tiles per CTA (compressed), 21 and 10 positions
+                    // per 128-row CTA, the widest selection-block map (l' = 32).
+                    Case{4500, 12, 2, 64, torch::kBFloat16, false},
+                    Case{3000, 24, 2, 128, torch::kHalf, true},
+                    Case{700, 8, 2, 64, torch::kBFloat16, true, 16},
                     // fp16 takes the tensor-core kernels' f16 MMA variant.
                     Case{257, 12, 2, 64, torch::kHalf, true},
                     Case{1000, 16, 1, 128, torch::kHalf, false},

@@ -1,0 +1,72 @@
+// Which selected-attention (kernels/selected_attention.cu) and compressed-attention
+// (kernels/compressed_attention.cu) kernels run: process-wide choices for tests and
+// benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
+// --slc-dkdv / --slc-qpc / --cmp-kernel compares them in one binary. Nothing else sets them,
+// so training runs the default: everything kAuto, the dispatch measured in
+// docs/PERFORMANCE.md. There is no environment switch: a forced choice is visible in the code
+// that sets it.
+//
+// A forced choice that cannot run on a call (fp32 inputs, a D=64-only build at D=128, the
+// rows kernel with top_n > 32, queries_per_item out of range) fails that call with a
+// c10::Error instead of quietly running another kernel.
+//
+// Torch-free, so test and benchmark code can include it next to anything.
+#pragma once
+
+namespace nsad::nsa::cuda::detail {
+
+struct SelectedKernelChoice {
+  // Forward and dQ on tensor cores (bf16/fp16 inputs): per position, the group's heads as
+  // the MMA rows (kHeads), or flattened (position, head) rows over the union of neighbours'
+  // blocks (kRows, needs top_n <= 32). fp32 inputs have one scalar kernel and take kAuto only.
+  enum class Fwd { kAuto, kRows, kHeads };
+  // dK/dV on tensor cores: the staged kernel in one of its D=64 register budgets (rows per
+  // step x CTAs per SM; kAuto picks 32x3 at D=64 and the single D=128 build, 16x1), or the
+  // unstaged mma::DkDvMmaKernel (any D). fp32 inputs take kAuto only.
+  enum class DkDv { kAuto, kStaged16x3, kStaged32x1, kStaged32x3, kUnstaged };
+
+  Fwd fwd = Fwd::kAuto;
+  DkDv dkdv = DkDv::kAuto;
+  // Queries per dK/dV work item (every dtype): 0 is the measured default (128), else 1..512
+  // (the staged kernel keeps the item's positions in shared memory).
+  int queries_per_item = 0;
+};
+
+// For tests and benchmarks only (see above). Thread-safe; read once per kernel call.
+void SetSelectedKernelChoiceForTesting(const SelectedKernelChoice& choice);
+SelectedKernelChoice GetSelectedKernelChoice();
+
+// Compressed attention, bf16/fp16 inputs: kAuto takes the shared-memory (cp.async + ldmatrix)
+// kernels wherever the geometry allows them and the register-only kernels elsewhere;
+// kRegisters forces the register-only kernels (the fallback path, and the "before" of A/B
+// timings). fp32 inputs always take the scalar kernels.
+struct CompressedKernelChoice {
+  enum class Path { kAuto, kRegisters };
+  Path path = Path::kAuto;
+};
+
+void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);
+CompressedKernelChoice GetCompressedKernelChoice();
+
+// Forces a choice for its lifetime and restores the previous one, also when a test
+// assertion returns early.
+template <typename Choice, Choice (*Get)(), void (*Set)(const Choice&)>
+class ScopedKernelChoice {
+ public:
+  explicit ScopedKernelChoice(const Choice& choice) : previous_(Get()) { Set(choice); }
+  ~ScopedKernelChoice() { Set(previous_); }
+  ScopedKernelChoice(const ScopedKernelChoice&) = delete;
+  ScopedKernelChoice& operator=(const ScopedKernelChoice&) = delete;
+
+ private:
+  Choice previous_;
+};
+
+using ScopedSelectedKernelChoice =
+    ScopedKernelChoice<SelectedKernelChoice, &GetSelectedKernelChoice,
+                       &SetSelectedKernelChoiceForTesting>;
+using ScopedCompressedKernelChoice =
+    ScopedKernelChoice<CompressedKernelChoice, &GetCompressedKernelChoice,
+                       &SetCompressedKernelChoiceForTesting>;
+
+}  // namespace nsad::nsa::cuda::detail
