@@ -10,7 +10,9 @@
 #                                        BENCH_ARGS="--torch-optim 1 --variants nsa-cuda" (train_bench),
 #                                        GPU_TESTS="runtime/backend_test engine/trainer_test",
 #                                        MEMCHECK_FILTER="*CudaGraph*" (backend_test cases),
-#                                        MEMCHECK_NO_CACHING=0 (keep the caching allocator)
+#                                        MEMCHECK_NO_CACHING=0 (keep the caching allocator),
+#                                        NSA_BENCH_ARGS="--seqs 65536 --reps 3" (also run the
+#                                        kernel table, bench/nsa_bench.cc; unset: skipped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-/tmp/nsa-gpu-validate}}
@@ -29,7 +31,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
 
 step build
-targets="nsad nsad-worker nsactl nsa-shard backend_test trainer_test kernels_test train_bench"
+targets="nsad nsad-worker nsactl nsa-shard backend_test trainer_test kernels_test train_bench nsa_bench"
 if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
          -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
        timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
@@ -87,6 +89,10 @@ cp "$state"/runs/*/worker.log "$logs/" 2>/dev/null
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "train_bench"
   timeout 300 "$build/bench/train/train_bench" --batches 1,16 --steps 15 ${BENCH_ARGS:-} 2>&1 | tee "$logs/train_bench.log"
+fi
+if [ -n "${NSA_BENCH_ARGS:-}" ]; then
+  step "nsa_bench (kernel table)"
+  timeout 300 "$build/bench/nsa_bench" $NSA_BENCH_ARGS 2>&1 | tee "$logs/nsa_bench.log"
 fi
 echo "== done, status $status"
 exit $status
