@@ -155,6 +155,25 @@ nsad::nsa::cuda::detail::Geo ToGeo(const Geometry& g) {
           static_cast<int>(g.top_n), static_cast<int>(g.window)};
 }
 
+// The machine's two ceilings, measured as METHOD.md asks rather than taken from the
+// datasheet: device-to-device copy bandwidth (bytes read + written, 1 GiB buffers) and the
+// rate of a large bf16 matrix product (cuBLAS, 8192^3). The TF/s and GB/s columns compare
+// against these.
+struct Ceilings {
+  double copy_gbs, matmul_tflops;
+};
+Ceilings MeasureCeilings(int warmup, int reps) {
+  const auto bytes = int64_t{1} << 30;
+  auto src = torch::empty({bytes}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA));
+  auto dst = torch::empty_like(src);
+  const double copy_ms = MedianMs([&] { dst.copy_(src); }, warmup, reps);
+  const int64_t n = 8192;
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  auto a = torch::randn({n, n}, bf16), b = torch::randn({n, n}, bf16);
+  const double mm_ms = MedianMs([&] { torch::mm(a, b); }, warmup, reps);
+  return {2.0 * bytes / copy_ms / 1e6, 2.0 * n * n * n / mm_ms / 1e9};
+}
+
 // Dense causal SDPA with only the cuDNN backend enabled (restores flash-only on return).
 struct CudnnTimes {
   double fwd = -1, fwd_bwd = -1;
@@ -284,6 +303,9 @@ int main(int argc, char** argv) {
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
+  const Ceilings ceilings = MeasureCeilings(warmup, std::max(reps, 5));
+  std::printf("# ceilings on this GPU: copy %.0f GB/s (read + write), bf16 matmul %.0f TFLOP/s\n",
+              ceilings.copy_gbs, ceilings.matmul_tflops);
   // Dense baseline must be FlashAttention: leave SDPA no other backend to fall back to.
   auto& ctx = at::globalContext();
   ctx.setSDPUseFlash(true);
