@@ -45,7 +45,11 @@ CompressedKernelChoice GetCompressedKernelChoice() {
 
 namespace {
 
-constexpr int kQueriesPerKeyCta = 512;  // query positions per key-side backward CTA
+// Query positions per key-side backward CTA (dK/dV): 512 where the grid is large anyway
+// (long sequences, batch 16), halved down to 32 while keys x batch x groups alone would leave
+// SMs idle. At batch 1, T = 2048 there are only 2 chunks of 64 compressed keys per group:
+// 512 positions per CTA gave 16 CTAs (fewer with work) on 132 SMs.
+constexpr int kMaxQueriesPerKeyCta = 512, kMinQueriesPerKeyCta = 32;
 
 // Compressed blocks visible from position t: j*d + l - 1 <= t.
 __device__ __forceinline__ int CmpVisible(int t, int num_blocks, int cmp_block, int cmp_stride) {
@@ -758,6 +762,7 @@ struct CmpQueryPolicy {
 
 struct CmpKeyPolicy {
   int cmp_block, cmp_stride;
+  int queries_per_cta;  // query positions per CTA (grid.y slices), see KeyQueriesPerCta
 
   __device__ KeyWork Work(const Shape& s) const {
     KeyWork w{};
@@ -766,9 +771,9 @@ struct CmpKeyPolicy {
     w.g = static_cast<int>(blockIdx.z) % s.G;
     w.keys = {start, min(kKeyChunk, s.Tk - start)};
     // The first query that sees the chunk's first block; later blocks are masked per key.
-    const int first = max(static_cast<int>(blockIdx.y) * kQueriesPerKeyCta,
+    const int first = max(static_cast<int>(blockIdx.y) * queries_per_cta,
                           start * cmp_stride + cmp_block - 1);
-    const int end = min(s.T, static_cast<int>(blockIdx.y + 1) * kQueriesPerKeyCta);
+    const int end = min(s.T, static_cast<int>(blockIdx.y + 1) * queries_per_cta);
     w.num_queries = max(0, end - first);
     w.query_base = first;
     w.valid = true;
@@ -1013,6 +1018,14 @@ void CheckCompressed(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               " tokens");
 }
 
+int KeyQueriesPerCta(const Shape& s) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t key_ctas = static_cast<int64_t>((s.Tk + kKeyChunk - 1) / kKeyChunk) * s.B * s.G;
+  int queries = kMaxQueriesPerKeyCta;
+  while (queries > kMinQueriesPerKeyCta && key_ctas * ((s.T + queries - 1) / queries) < sms) queries /= 2;
+  return queries;
+}
+
 // Whole positions per tensor-core CTA (all heads of a position in one CTA, for importance).
 int MmaPositionsPerCta(const Shape& s) { return std::max(1, mma::kTileRows / s.hq()); }
 
@@ -1135,10 +1148,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
   auto dk_acc = at::zeros(k_cmp.sizes(), k_cmp.options().dtype(at::kFloat));
   auto dv_acc = at::zeros(v_cmp.sizes(), v_cmp.options().dtype(at::kFloat));
   const CmpQueryPolicy qpol = QueryPolicy(s, g);
-  const CmpKeyPolicy kpol{g.cmp_block, g.cmp_stride};
+  const CmpKeyPolicy kpol{g.cmp_block, g.cmp_stride, KeyQueriesPerCta(s)};
   const int rows = qpol.positions_per_cta * s.hq();
   const dim3 qgrid((s.T + qpol.positions_per_cta - 1) / qpol.positions_per_cta, s.G, s.B);
-  const dim3 kgrid((s.Tk + kKeyChunk - 1) / kKeyChunk, (s.T + kQueriesPerKeyCta - 1) / kQueriesPerKeyCta,
+  const dim3 kgrid((s.Tk + kKeyChunk - 1) / kKeyChunk, (s.T + kpol.queries_per_cta - 1) / kpol.queries_per_cta,
                    s.B * s.G);
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_cmp_bwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
