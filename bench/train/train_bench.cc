@@ -198,8 +198,8 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
   constexpr int kPhases = 4;
   const char* const phase_names[kPhases] = {"forward+loss", "backward", "clip_grad_norm", "adamw"};
   std::vector<double> phase_ms[kPhases], enqueue_ms[kPhases];
-  // The step's device work up to the [loss, grad norm] readout (what the graph captures).
-  auto body = [&](auto mark) {
+  // Forward under bf16 autocast and the float32 cross-entropy, as the trainer computes it.
+  auto forward_loss = [&] {
     torch::Tensor logits;
     {
       at::autocast::set_autocast_enabled(at::kCUDA, true);
@@ -208,7 +208,12 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
       at::autocast::set_autocast_enabled(at::kCUDA, false);
       at::autocast::clear_cache();
     }
-    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat), targets.reshape({-1}));
+    return torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat),
+                                                targets.reshape({-1}));
+  };
+  // The step's device work up to the [loss, grad norm] readout (what the graph captures).
+  auto body = [&](auto mark) {
+    auto loss = forward_loss();
     mark();
     loss.backward();
     mark();
@@ -234,15 +239,7 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     legacy = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
   }
   auto legacy_body = [&](auto mark) {
-    torch::Tensor logits;
-    {
-      at::autocast::set_autocast_enabled(at::kCUDA, true);
-      at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-      logits = model->forward(inputs);
-      at::autocast::set_autocast_enabled(at::kCUDA, false);
-      at::autocast::clear_cache();
-    }
-    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat), targets.reshape({-1}));
+    auto loss = forward_loss();
     mark();
     loss.backward();
     mark();

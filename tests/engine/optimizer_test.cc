@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
+#include <sstream>
 
 #include "nsad/engine.h"
 #include "trainer/optimizer.h"
@@ -31,6 +33,21 @@ std::vector<torch::Tensor> Params(const torch::Device& device) {
   std::vector<torch::Tensor> params = {torch::randn({5, 4}), torch::randn({4}), torch::randn({2, 3, 2})};
   for (auto& p : params) p = p.to(device).requires_grad_(true);
   return params;
+}
+
+// Serialises what `save` writes and reads it back, as a checkpoint file round trip would.
+// Tensors load onto `device`.
+torch::serialize::InputArchive RoundTrip(
+    const std::function<void(torch::serialize::OutputArchive&)>& save,
+    const torch::Device& device = torch::kCPU) {
+  torch::serialize::OutputArchive out;
+  save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  std::istringstream in_bytes(bytes.str());
+  torch::serialize::InputArchive in;
+  in.load_from(in_bytes, device);
+  return in;
 }
 
 std::vector<torch::Tensor> Clones(const std::vector<torch::Tensor>& params) {
@@ -118,15 +135,9 @@ TEST(AdamWTest, SavedStateAndLibTorchArchivesResumeExactly) {
     SetGrads(params, step);
     optimizer.Step();
   }
-  torch::serialize::OutputArchive out;
-  optimizer.Save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
   auto resumed_params = Clones(params);
   AdamW resumed = AdamW::ForModel(resumed_params, o);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
+  auto in = RoundTrip([&](torch::serialize::OutputArchive& out) { optimizer.Save(out); });
   resumed.Load(in);
   SetGrads(params, 2);
   SetGrads(resumed_params, 2);
@@ -148,15 +159,9 @@ TEST(AdamWTest, SavedStateAndLibTorchArchivesResumeExactly) {
     SetGrads(legacy_params, step);
     legacy.step();
   }
-  torch::serialize::OutputArchive legacy_out;
-  legacy.save(legacy_out);
-  std::ostringstream legacy_bytes;
-  legacy_out.save_to(legacy_bytes);
   auto loaded_params = Clones(legacy_params);
   AdamW loaded = AdamW::ForModel(loaded_params, o);
-  std::istringstream legacy_in_bytes(legacy_bytes.str());
-  torch::serialize::InputArchive legacy_in;
-  legacy_in.load_from(legacy_in_bytes);
+  auto legacy_in = RoundTrip([&](torch::serialize::OutputArchive& out) { legacy.save(out); });
   loaded.Load(legacy_in);
   SetGrads(legacy_params, 2);
   SetGrads(loaded_params, 2);
@@ -226,15 +231,9 @@ TEST(AdamWTest, FusedCudaStateSavesAndResumesExactly) {
     with_grads(params, step);
     optimizer.Step();
   }
-  torch::serialize::OutputArchive out;
-  optimizer.Save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
   auto resumed_params = Clones(params);
   AdamW resumed = AdamW::ForModel(resumed_params, o);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes, cuda);
+  auto in = RoundTrip([&](torch::serialize::OutputArchive& out) { optimizer.Save(out); }, cuda);
   resumed.Load(in);
   with_grads(params, 3);
   with_grads(resumed_params, 3);
