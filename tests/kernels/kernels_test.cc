@@ -288,6 +288,38 @@ TEST_P(KernelsTest, SelectBlocksResolvesTiesToTheLowerIndex) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// Rows longer than the selection kernel keeps in registers (1,025 candidate blocks, 65,600
+// tokens at l' = 64) take its re-reading path; 65,536 tokens is the longest that fits. Both
+// must follow the rules exactly, with distinct values and with many ties. Every 7th row is
+// checked against the CPU oracle (it sorts each row), plus the last rows, which have the
+// most candidates.
+TEST(SelectBlocksLongRows, BothKernelPathsFollowTheRules) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(cuda::Available());
+  const Geometry geo;
+  const auto cuda_opts = torch::TensorOptions().device(torch::kCUDA);
+  for (const int64_t T : {65536, 70000}) {
+    for (const bool ties : {false, true}) {
+      const int64_t NS = NumSlcBlocks(T, geo);
+      torch::manual_seed(T + ties);
+      const auto importance = ties ? torch::randint(0, 3, {1, T, 1, NS}, cuda_opts).to(torch::kFloat)
+                                   : torch::rand({1, T, 1, NS}, cuda_opts);
+      const auto got = cuda::SelectBlocks(importance, T, geo).cpu();
+      const auto imp = importance.cpu().contiguous();
+      int64_t mismatches = 0, checked = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        if (t % 7 != 0 && t < T - 64) continue;
+        const auto want = SelectRow(imp.data_ptr<float>() + t * NS, t, NS, geo);
+        ++checked;
+        for (int64_t i = 0; i < geo.top_n; ++i)
+          mismatches += got.data_ptr<int>()[t * geo.top_n + i] != want[i];
+      }
+      EXPECT_EQ(mismatches, 0) << "T=" << T << (ties ? ", with ties" : "");
+      EXPECT_GT(checked, T / 8);
+    }
+  }
+}
+
 TEST_P(KernelsTest, SlidingWindowForwardAndGradients) {
   const Case c = GetParam();
   auto q = Random({kBatch, c.T, c.H, c.D});
