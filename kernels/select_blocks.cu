@@ -23,14 +23,6 @@ __device__ __forceinline__ bool Before(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
-// Candidates (blocks 1..current-2) a lane keeps in registers: lane + 1 + 32 k for k < 32, so
-// rows of up to 1025 selection blocks (65,600 tokens at l' = 64) are read from memory once
-// instead of once per pick (13 picks at n = 16: at 64k tokens the re-reads made the
-// selection 1.6 ms of an 11.7 ms NSA forward). Longer rows re-read per pick.
-constexpr int kValuesPerLane = 32;
-constexpr int kMaxCachedBlocks = 32 * kValuesPerLane + 1;
-
-template <bool kCached>
 __global__ void __launch_bounds__(kThreads)
     SelectBlocksKernel(const float* __restrict__ importance, int* __restrict__ out, int64_t rows,
                        int T, int G, int NS, int n, int slc_block) {
@@ -50,32 +42,14 @@ __global__ void __launch_bounds__(kThreads)
     if (lane == 0) chosen = 0;
     if (lane == 1) chosen = current - 1;
     if (lane == 2) chosen = current;
-    const auto load = [&](int i) {
-      const float value = imp[i];
-      return isnan(value) ? -INFINITY : value;
-    };
-    float cached[kCached ? kValuesPerLane : 1];
-    if constexpr (kCached) {
-#pragma unroll
-      for (int k = 0; k < kValuesPerLane; ++k) {
-        const int i = 1 + lane + 32 * k;
-        cached[k] = i <= current - 2 ? load(i) : -INFINITY;
-      }
-    }
     Candidate prev{INFINITY, -1};
     for (int pick = 3; pick < n; ++pick) {
       Candidate best{-INFINITY, INT_MAX};
-      const auto consider = [&](const Candidate& c) {
+      for (int i = 1 + lane; i <= current - 2; i += 32) {
+        float value = imp[i];
+        if (isnan(value)) value = -INFINITY;
+        const Candidate c{value, i};
         if (Before(prev, c) && (best.index == INT_MAX || Before(c, best))) best = c;
-      };
-      if constexpr (kCached) {
-#pragma unroll
-        for (int k = 0; k < kValuesPerLane; ++k) {
-          const int i = 1 + lane + 32 * k;
-          if (i <= current - 2) consider({cached[k], i});
-        }
-      } else {
-        for (int i = 1 + lane; i <= current - 2; i += 32) consider({load(i), i});
       }
       for (int o = 16; o > 0; o >>= 1) {
         const Candidate other{__shfl_xor_sync(0xffffffffu, best.value, o),
@@ -105,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
 bool KernelImageLoads() {
   // Fails with cudaErrorInvalidDeviceFunction when no machine code matches the GPU.
   cudaFuncAttributes attr{};
-  const bool ok = cudaFuncGetAttributes(&attr, SelectBlocksKernel<true>) == cudaSuccess;
+  const bool ok = cudaFuncGetAttributes(&attr, SelectBlocksKernel) == cudaSuccess;
   if (!ok) (void)cudaGetLastError();  // clear the sticky-free error so later calls are clean
   return ok;
 }
@@ -125,8 +99,7 @@ at::Tensor SelectBlocksLaunch(const at::Tensor& importance_in, int64_t seq_len, 
   const int64_t rows = B * T * G;
   if (rows == 0) return out;
   const dim3 grid(static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads));
-  const auto kernel = NS <= kMaxCachedBlocks ? &SelectBlocksKernel<true> : &SelectBlocksKernel<false>;
-  Launch(kernel, grid, 0, importance.data_ptr<float>(), out.data_ptr<int>(), rows,
+  Launch(SelectBlocksKernel, grid, 0, importance.data_ptr<float>(), out.data_ptr<int>(), rows,
          static_cast<int>(T), static_cast<int>(G), static_cast<int>(NS), static_cast<int>(g.top_n),
          g.slc_block);
   return out;
