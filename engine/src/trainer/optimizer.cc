@@ -14,16 +14,16 @@ namespace {
 constexpr char kFormatKey[] = "nsad_adamw_format";
 constexpr int64_t kFormat = 1;
 
-std::vector<torch::Tensor> Grads(const std::vector<torch::Tensor>& params) {
+}  // namespace
+
+std::vector<torch::Tensor> AdamW::GradsInModelOrder() const {
   std::vector<torch::Tensor> grads;
-  grads.reserve(params.size());
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  grads.reserve(params_.size());
+  for (const size_t i : model_order_) {
+    if (params_[i].grad().defined()) grads.push_back(params_[i].grad());
   }
   return grads;
 }
-
-}  // namespace
 
 AdamW::AdamW(std::vector<torch::Tensor> decay, std::vector<torch::Tensor> no_decay,
              const OptimConfig& config)
@@ -42,13 +42,23 @@ AdamW::AdamW(std::vector<torch::Tensor> decay, std::vector<torch::Tensor> no_dec
     if (fused_) steps_.push_back(torch::zeros({}, p.options().dtype(torch::kFloat32)));
   }
   cpu_steps_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) model_order_.push_back(i);
   if (fused_) lr_tensor_ = torch::full({}, lr_, params_.front().options().dtype(torch::kFloat32));
 }
 
 AdamW AdamW::ForModel(const std::vector<torch::Tensor>& parameters, const OptimConfig& config) {
   std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : parameters) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  return AdamW(std::move(decay), std::move(no_decay), config);
+  std::vector<bool> decays;
+  for (const auto& p : parameters) {
+    decays.push_back(p.dim() >= 2);
+    (decays.back() ? decay : no_decay).push_back(p);
+  }
+  AdamW optimizer(std::move(decay), std::move(no_decay), config);
+  // params_ holds the decay group first; the clip must still visit the model's order.
+  size_t next_decay = optimizer.groups_[0].begin, next_plain = optimizer.groups_[1].begin;
+  optimizer.model_order_.clear();
+  for (const bool d : decays) optimizer.model_order_.push_back(d ? next_decay++ : next_plain++);
+  return optimizer;
 }
 
 void AdamW::SetLr(double lr) {
@@ -58,7 +68,7 @@ void AdamW::SetLr(double lr) {
 
 torch::Tensor AdamW::ClipGradNorm(double max_norm) {
   torch::NoGradGuard no_grad;
-  const auto grads = Grads(params_);
+  const auto grads = GradsInModelOrder();
   if (grads.empty()) {
     return torch::zeros({}, torch::TensorOptions(torch::kFloat32).device(
                                 params_.empty() ? torch::Device(torch::kCPU) : params_.front().device()));

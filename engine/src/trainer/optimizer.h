@@ -66,6 +66,10 @@ class AdamW {
     double weight_decay = 0;
   };
 
+  // Gradients in the order of the parameters given to ForModel: the total norm adds the
+  // per-tensor norms in that order, as clip_grad_norm_(model->parameters()) does (float
+  // addition is not associative; another order moves the clip factor's last bits).
+  std::vector<torch::Tensor> GradsInModelOrder() const;
   void StepFused(const torch::Tensor& found_inf);
   void StepPerTensor(const Group& group, size_t i);
 
@@ -75,6 +79,7 @@ class AdamW {
   std::vector<torch::Tensor> steps_;
   std::vector<int64_t> cpu_steps_;
   Group groups_[2];
+  std::vector<size_t> model_order_;  // params_ indices in the model's parameter order
   double lr_ = 0, beta1_ = 0, beta2_ = 0, eps_ = 0;
   torch::Tensor lr_tensor_;  // CUDA only
   bool fused_ = false;
