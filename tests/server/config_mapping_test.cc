@@ -2,10 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "config_mapping.h"
 #include "daemon_options.h"
+#include "trainer/config_text.h"
 
 namespace nsad::server {
 namespace {
@@ -50,6 +52,29 @@ TEST(ConfigMapping, EffectiveConfigRoundTripsAndSetsEveryField) {
   EXPECT_EQ(back.data.train_path, "/tmp/shards");
   EXPECT_EQ(back.attention_backend, AttentionBackend::kReference);
   EXPECT_EQ(ToProto(back).SerializeAsString(), proto.SerializeAsString());
+}
+
+// Checkpoints record the effective config as ConfigToText. Every RunConfig field must be in
+// that record under its dotted proto name, so a field added to the proto and the engine
+// cannot be left out of it (activation_checkpointing and cuda_graphs once were).
+TEST(ConfigText, RecordsEveryRunConfigField) {
+  const auto recorded = ParseKeyValueLines(ConfigToText(FromProto(nsa::v1::RunConfig())));
+  std::vector<std::string> missing;
+  std::function<void(const google::protobuf::Descriptor*, const std::string&)> walk =
+      [&](const google::protobuf::Descriptor* message, const std::string& prefix) {
+        for (int i = 0; i < message->field_count(); ++i) {
+          const auto* field = message->field(i);
+          const std::string name = prefix + field->name();
+          if (field->message_type() != nullptr) {
+            walk(field->message_type(), name + ".");
+          } else if (recorded.count(name) == 0) {
+            missing.push_back(name);
+          }
+        }
+      };
+  walk(nsa::v1::RunConfig::descriptor(), "");
+  EXPECT_TRUE(missing.empty()) << "not in the checkpoint's config record: "
+                               << testing::PrintToString(missing);
 }
 
 TEST(ConfigMapping, CheckpointAndAnomalyFieldsMapBothWays) {

@@ -83,6 +83,8 @@ std::string ConfigToText(const TrainConfig& c) {
   l.Add("resume_from", c.resume_from);
   l.Add("nonfinite_policy", c.nonfinite_policy);
   l.Add("nonfinite_max_skips", c.nonfinite_max_skips);
+  l.Add("activation_checkpointing", c.activation_checkpointing);
+  l.Add("cuda_graphs", c.cuda_graphs);
   const FaultInjectionConfig& f = c.fault_injection;
   l.Add("fault_injection.nan_at_step", f.nan_at_step);
   l.Add("fault_injection.count", f.count);
