@@ -18,16 +18,7 @@ mkdir -p "$logs"
 status=0
 step() { echo "== $* ($(date +%T))"; }
 
-if [ -f .device-deps/unpack.sh ]; then source .device-deps/unpack.sh; fi
-if ls .kernel-deps/*.deb >/dev/null 2>&1; then
-  mkdir -p /opt/nsad-gtest
-  for f in .kernel-deps/*.deb; do dpkg -x "$f" /opt/nsad-gtest; done
-  export CMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:-};/opt/nsad-gtest/usr"
-fi
-if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
-  CMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  export CMAKE_PREFIX_PATH
-fi
+source scripts/device_env.sh
 nvidia-smi > "$logs/nvidia-smi.txt" 2>&1 || true
 
 step configure+build

@@ -22,12 +22,7 @@ status=0
 step() { echo "== $* ($(date +%T))"; }
 record() { "$@" || { echo "FAILED: $*"; status=1; }; }
 
-if [ -f .device-deps/unpack.sh ]; then source .device-deps/unpack.sh; fi
-if ls .kernel-deps/*.deb >/dev/null 2>&1; then
-  mkdir -p /opt/nsad-gtest
-  for f in .kernel-deps/*.deb; do dpkg -x "$f" /opt/nsad-gtest; done
-  export CMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:-};/opt/nsad-gtest/usr"
-fi
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
 
 step build
