@@ -1,6 +1,6 @@
 // Host-side entry points of the fused elementwise kernels of the attention module
-// (kernels/rope.cu, kernels/gate_mix.cu), called by the autograd functions in fused_ops.cc.
-// Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
+// (kernels/rope.cu, kernels/gate_mix.cu) and of the loss (kernels/cross_entropy.cu),
+// called by the autograd functions in fused_ops.cc. Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
 // float32 and every output is rounded once to the input type.
 #pragma once
 
@@ -34,5 +34,18 @@ at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& c);
+
+// Cross-entropy of logits [N, V] (contiguous) against int64 targets [N]: per-row loss
+// (log-sum-exp - logit of the target; 0 where target == ignore_index, NaN where the target
+// is outside [0, V)), float32 [N], and per-row softmax statistics (max, log of the sum of
+// exp(x - max)), float32 [N, 2].
+std::tuple<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits,
+                                                       const at::Tensor& targets,
+                                                       int64_t ignore_index);
+// d logits = (softmax - onehot(target)) * grad_scale, zero on ignored rows, in the logits'
+// dtype; grad_scale is a float32 device scalar (d loss / d row loss).
+at::Tensor CrossEntropyBackward(const at::Tensor& logits, const at::Tensor& targets,
+                                const at::Tensor& row_stats, const at::Tensor& grad_scale,
+                                int64_t ignore_index);
 
 }  // namespace nsad::nsa::cuda::detail

@@ -48,6 +48,30 @@ struct GateMixFn : torch::autograd::Function<GateMixFn> {
   }
 };
 
+// Mean cross-entropy over the rows whose target is not ignore_index (LibTorch's
+// cross_entropy with reduction 'mean'). Saves the logits and each row's max and log-sum;
+// the backward recomputes the softmax from them.
+struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits,
+                               const torch::Tensor& targets, int64_t ignore_index) {
+    RECORD_FUNCTION("nsa::cross_entropy_forward", std::vector<c10::IValue>());
+    auto [row_loss, row_stats] = detail::CrossEntropyForward(logits, targets, ignore_index);
+    // Counted on the device: no host read, so the step stays capturable in a CUDA graph.
+    const auto count = targets.ne(ignore_index).sum().to(torch::kFloat);
+    ctx->save_for_backward({logits, targets, row_stats, count});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    return row_loss.sum() / count;
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::cross_entropy_backward", std::vector<c10::IValue>());
+    const auto s = ctx->get_saved_variables();
+    const auto scale = (grads[0].to(torch::kFloat) / s[3]).reshape({1});
+    return {detail::CrossEntropyBackward(s[0], s[1], s[2], scale,
+                                         ctx->saved_data["ignore_index"].toInt()),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool FusedOpsTake(const torch::Tensor& t) {
@@ -73,6 +97,17 @@ torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp
                           const torch::Tensor& o_slc, const torch::Tensor& o_win) {
   return GateMixFn::apply(gates.contiguous(), o_cmp.contiguous(), o_slc.contiguous(),
                           o_win.contiguous());
+}
+
+}  // namespace nsad::nsa::cuda
+
+namespace nsad::nsa::cuda {
+
+torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                           int64_t ignore_index) {
+  TORCH_CHECK(logits.dim() == 2, "cross-entropy takes logits [N, V], got ", logits.sizes());
+  return CrossEntropyFn::apply(logits.contiguous(), targets.reshape({-1}).contiguous(),
+                               ignore_index);
 }
 
 }  // namespace nsad::nsa::cuda

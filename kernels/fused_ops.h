@@ -1,7 +1,8 @@
 // Fused CUDA versions of the attention module's elementwise steps (RoPE and the gate
-// mixing of the three branches), as autograd functions with a one-kernel forward and a
-// one-kernel backward. Their oracles are the LibTorch code in nsa/rope.h (ApplyRope) and
-// nsa/dispatch.cc (the reference mixing); nsa/dispatch.h decides which one runs.
+// mixing of the three branches) and of the model's loss (cross-entropy), as autograd
+// functions with a one-kernel forward and a one-kernel backward. Their oracles are the
+// LibTorch code in nsa/rope.h (ApplyRope) and nsa/dispatch.cc (the reference mixing, the
+// reference loss); nsa/dispatch.h decides which one runs.
 // Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS).
 #pragma once
 
@@ -28,5 +29,12 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
 // all four inputs.
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
                           const torch::Tensor& o_slc, const torch::Tensor& o_win);
+
+// Mean cross-entropy of logits [N, V] (bf16, fp16 or fp32; the maths in float32) against
+// int64 targets [N], over the targets that are not ignore_index: LibTorch's
+// cross_entropy(logits.to(float32), targets) in value, differentiable w.r.t. the logits,
+// whose gradient comes back in their dtype. A target outside [0, V) makes the loss NaN.
+torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
+                           int64_t ignore_index = -100);
 
 }  // namespace nsad::nsa::cuda

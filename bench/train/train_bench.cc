@@ -10,11 +10,14 @@
 // already on the GPU (data loading is not measured) are copied into the step's input, a
 // warm-up, then the median of timed steps with CUDA synchronisation around each step.
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
-//               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--breakdown 1] [--profile N]
+//               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
+//               [--profile N]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
 // optimizer path (LibTorch's per-tensor AdamW and clip_grad_norm_, "+torchopt"), eager.
+// The loss is the trainer's nsa::CrossEntropyLoss (the fused kernels for nsa-cuda and
+// dense-flash alike); --fused-loss 0 uses LibTorch's float32 cross_entropy instead.
 // --breakdown 1 also times each phase (forward, backward, clip, optimizer) of the timed steps
 // twice: as the host enqueues it and with a device synchronisation after it. A phase whose
 // two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
@@ -39,6 +42,7 @@
 
 #include "model/rms_norm.h"
 #include "model/transformer.h"
+#include "nsa/dispatch.h"
 #include "trainer/optimizer.h"
 #include "trainer/step_graph.h"
 
@@ -105,6 +109,10 @@ struct Options {
   bool torch_optim = false;  // LibTorch's AdamW + clip_grad_norm_ (the trainer's path before)
   bool breakdown = false;
   int profile_top = 0;  // 0: no profile
+  // The loss's implementation: the trainer's (nsa::CrossEntropyLoss: fused kernels when the
+  // backend is CUDA) or LibTorch's float32 cross_entropy (--fused-loss 0, the path before).
+  bool fused_loss = true;
+  AttentionBackend loss_backend = AttentionBackend::kCuda;
 };
 
 struct Result {
@@ -208,8 +216,9 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
       at::autocast::set_autocast_enabled(at::kCUDA, false);
       at::autocast::clear_cache();
     }
-    return torch::nn::functional::cross_entropy(logits.view({-1, vocab}).to(torch::kFloat),
-                                                targets.reshape({-1}));
+    const auto flat = logits.view({-1, vocab});
+    if (!opt.fused_loss) return torch::nn::functional::cross_entropy(flat.to(torch::kFloat), targets.reshape({-1}));
+    return nsad::nsa::CrossEntropyLoss(opt.loss_backend, flat, targets.reshape({-1}));
   };
   // The step's device work up to the [loss, grad norm] readout (what the graph captures).
   auto body = [&](auto mark) {
@@ -353,6 +362,8 @@ int main(int argc, char** argv) {
       torch_optim = value != "0";
     } else if (flag == "--breakdown") {
       opt.breakdown = value != "0";
+    } else if (flag == "--fused-loss") {
+      opt.fused_loss = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
     } else {
@@ -388,6 +399,7 @@ int main(int argc, char** argv) {
             r = Measure(DenseGpt(config), batch, seq, steps, config.vocab_size, o);
           } else {
             const auto backend = variant == "nsa-cuda" ? AttentionBackend::kCuda : AttentionBackend::kReference;
+            o.loss_backend = backend;
             r = Measure(nsad::NsaTransformer(config, backend), batch, seq,
                         variant == "nsa-reference" ? std::min(steps, 5) : steps, config.vocab_size, o);
           }

@@ -69,8 +69,8 @@ ModelConfig FinitenessConfig() {  // tiny widths, the default NSA geometry
 
 torch::Tensor NextTokenLoss(NsaTransformer& model, const torch::Tensor& tokens) {
   const auto logits = model->forward(tokens.narrow(1, 0, tokens.size(1) - 1));
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              tokens.narrow(1, 1, tokens.size(1) - 1).reshape(-1));
+  return nsa::CrossEntropyLoss(AttentionBackend::kReference, logits.reshape({-1, logits.size(-1)}),
+                               tokens.narrow(1, 1, tokens.size(1) - 1).reshape(-1));
 }
 
 // Forward and backward at every length; logits, loss and all gradients must be finite.
@@ -81,7 +81,7 @@ void ExpectFiniteAtEveryLength(NsaTransformer& model, int vocab, const std::stri
     const auto logits = model->forward(tokens);
     ASSERT_TRUE(AllFinite(logits)) << when << ": logits at T=" << T;
     const auto targets = torch::randint(vocab, {2 * T}, torch::kLong);
-    const auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets);
+    const auto loss = nsa::CrossEntropyLoss(AttentionBackend::kReference, logits.reshape({-1, vocab}), targets);
     ASSERT_TRUE(AllFinite(loss)) << when << ": loss at T=" << T;
     loss.backward();
     for (const auto& p : model->named_parameters()) {
@@ -205,8 +205,9 @@ TEST(NsaTransformer, ActivationCheckpointingGivesTheSameLossAndGradients) {
       const auto logits = model->forward(tokens.narrow(1, 0, 96));
       at::autocast::set_autocast_enabled(at::kCPU, false);
       at::autocast::clear_cache();
-      auto loss = torch::nn::functional::cross_entropy(
-          logits.reshape({-1, config.vocab_size}), tokens.narrow(1, 1, 96).reshape({-1}));
+      auto loss = nsa::CrossEntropyLoss(AttentionBackend::kReference,
+                                        logits.reshape({-1, config.vocab_size}),
+                                        tokens.narrow(1, 1, 96).reshape({-1}));
       loss.backward();
       // With checkpointing each block's forward runs again during backward.
       EXPECT_EQ(nsa::LayersExecuted(AttentionBackend::kReference) - layers_before,

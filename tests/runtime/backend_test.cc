@@ -79,7 +79,7 @@ TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
-  EXPECT_EQ(fused, 3 * 2 * kFusedPerLayer) << "RoPE and gate mixing run fused";
+  EXPECT_EQ(fused, 3 * (2 * kFusedPerLayer + 1)) << "RoPE, gate mixing and the loss run fused";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {

@@ -118,6 +118,19 @@ torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
          gates.select(-1, 2).unsqueeze(-1) * o_win;
 }
 
+torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
+                               const torch::Tensor& targets) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(logits)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::CrossEntropy(logits, targets);
+  }
+#else
+  UseCuda(backend);
+#endif
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), targets);
+}
+
 int64_t FusedCallsExecuted() { return fused_calls.load(); }
 
 int64_t LayersExecuted(AttentionBackend backend) {

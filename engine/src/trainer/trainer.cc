@@ -12,6 +12,7 @@
 
 #include "data/data_error.h"
 #include "model/transformer.h"
+#include "nsa/dispatch.h"
 #include "nsad/engine.h"
 #include "trainer/batches.h"
 #include "trainer/checkpoint.h"
@@ -181,8 +182,8 @@ class TorchTrainer final : public Trainer {
   torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& batch, bool inject) {
     using torch::indexing::Slice;
     const auto targets = batch.index({Slice(), Slice(1, torch::indexing::None)});
-    auto loss = torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat32), targets.reshape({-1}));
+    auto loss = nsa::CrossEntropyLoss(runtime_.backend, logits.reshape({-1, logits.size(-1)}),
+                                      targets.reshape({-1}));
     return inject ? injector_.ApplyToLoss(loss) : loss;
   }
 
