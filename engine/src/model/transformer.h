@@ -19,7 +19,8 @@ class NsaTransformerImpl : public torch::nn::Module {
   // backend must already be resolved (kReference or kCuda, never kAuto).
   NsaTransformerImpl(const ModelConfig& config, AttentionBackend backend);
 
-  // tokens [B,T] int64 -> logits [B,T,vocab] (float32 under autocast too).
+  // tokens [B,T] int64 -> logits [B,T,vocab], in the head matmul's dtype (bf16 under
+  // autocast; the loss computes in float32 either way).
   torch::Tensor forward(const torch::Tensor& tokens);
 
   // Gate means/stddevs per branch and mean selected blocks per query, per layer, from the
