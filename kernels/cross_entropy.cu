@@ -55,19 +55,13 @@ __device__ __forceinline__ void BlockSoftmaxState(float& m, float& s) {
   }
 }
 
-// kVec elements of a row per load: 16 bytes when the rows are aligned to it, else 1.
-template <typename scalar_t, int kVec>
-struct alignas(sizeof(scalar_t) * kVec) Vec {
-  scalar_t v[kVec];
-};
-
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     CrossEntropyForwardKernel(const scalar_t* __restrict__ logits, const int64_t* __restrict__ targets,
                               float* __restrict__ row_loss, float* __restrict__ row_stats,
                               int64_t V, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
-  const auto* x = reinterpret_cast<const Vec<scalar_t, kVec>*>(logits + row * V);
+  const auto* x = reinterpret_cast<const Packed<scalar_t, kVec>*>(logits + row * V);
   float m = -INFINITY, s = 0.f;
   for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
     const auto chunk = x[i];
@@ -118,11 +112,11 @@ __global__ void __launch_bounds__(kThreads)
   const bool ignored = t == ignore_index;
   const float scale = ignored ? 0.f : *grad_scale;
   const float row_max = row_stats[2 * row], log_sum = row_stats[2 * row + 1];
-  const auto* x = reinterpret_cast<const Vec<scalar_t, kVec>*>(logits + row * V);
-  auto* g = reinterpret_cast<Vec<scalar_t, kVec>*>(grad + row * V);
+  const auto* x = reinterpret_cast<const Packed<scalar_t, kVec>*>(logits + row * V);
+  auto* g = reinterpret_cast<Packed<scalar_t, kVec>*>(grad + row * V);
   for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
     const auto chunk = x[i];
-    Vec<scalar_t, kVec> out;
+    Packed<scalar_t, kVec> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const int64_t col = i * kVec + j;
@@ -133,10 +127,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// kVec elements of a row per load (16 bytes) when every row starts aligned to it, else 1.
 template <typename scalar_t>
 bool RowsTakeVectors(const at::Tensor& logits, int vec) {
-  return logits.size(1) % vec == 0 &&
-         reinterpret_cast<uintptr_t>(logits.data_ptr<scalar_t>()) % (sizeof(scalar_t) * vec) == 0;
+  return logits.size(1) % vec == 0 && AlignedFor(logits.data_ptr<scalar_t>(), vec);
 }
 
 void CheckLossInputs(const at::Tensor& logits, const at::Tensor& targets) {

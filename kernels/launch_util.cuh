@@ -19,6 +19,19 @@
 
 namespace nsad::nsa::cuda::detail {
 
+// N consecutive elements moved as one load/store (N * sizeof(T) bytes, aligned to that):
+// memory-bound kernels use it for 8- or 16-byte accesses.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
+// Whether p is aligned for Packed<T, N> accesses.
+template <typename T>
+bool AlignedFor(const T* p, int n) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * n) == 0;
+}
+
 inline void CheckInput(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(t.dim() == dims, name, " must have ", dims, " dims, got ", t.sizes());

@@ -7,10 +7,12 @@
 // contiguous tensor, so autograd sees no select/narrow backward (zeros + copy per part)
 // and no sum over the parts.
 //
-// Each thread rotates one pair (x[j], x[j + D/2]) of one row, in float32 with the products
+// Each thread rotates 4 pairs (x[j..j+3], x[j+D/2..j+D/2+3]) of one row with 8- or 16-byte
+// accesses (1 pair where the layout is not 4-aligned), in float32 with the products
 // rounded separately (__fmul_rn, no FMA contraction) so that the float32 result is the one
 // the reference computes, then rounds once to the input type, as the reference does.
 #include <algorithm>
+#include <vector>
 
 #include "fused_launchers.h"
 #include "launch_util.cuh"
@@ -29,69 +31,117 @@ struct RopeGeometry {
   uint32_t rotate_mask;  // bit p: part p is rotated (else copied)
 };
 
-// Grid-stride over all pairs: i = (((b*T + t)*P + p)*M + m)*half + j.
-__device__ __forceinline__ void SplitIndex(int64_t i, const RopeGeometry& g, int& b, int& t,
-                                           int& p, int& m, int& j) {
-  j = static_cast<int>(i % g.half);
-  i /= g.half;
-  m = static_cast<int>(i % g.M);
-  i /= g.M;
-  p = static_cast<int>(i % g.P);
-  i /= g.P;
-  t = static_cast<int>(i % g.T);
-  b = static_cast<int>(i / g.T);
+// Work item i = kVec consecutive pairs (j0 .. j0 + kVec - 1) of row (b, t, p, m), rows in
+// that order. 32-bit index maths (the launcher checks the count fits): 64-bit division
+// made the first version of these kernels instruction-bound at ~4x their memory time.
+struct RowChunk {
+  int b, t, p, m, j0;
+  uint32_t row;
+};
+template <int kVec>
+__device__ __forceinline__ RowChunk SplitChunk(uint32_t i, const RopeGeometry& g) {
+  const uint32_t chunks = static_cast<uint32_t>(g.half / kVec);
+  RowChunk c;
+  c.row = i / chunks;
+  c.j0 = static_cast<int>(i - c.row * chunks) * kVec;
+  uint32_t r = c.row;
+  c.m = static_cast<int>(r % g.M);
+  r /= g.M;
+  c.p = static_cast<int>(r % g.P);
+  r /= g.P;
+  c.t = static_cast<int>(r % g.T);
+  c.b = static_cast<int>(r / g.T);
+  return c;
 }
 
-template <typename scalar_t>
+// kVec cos and sin values of position t from pair j0.
+template <int kVec>
+__device__ __forceinline__ void LoadAngles(const float* __restrict__ cos, const float* __restrict__ sin,
+                                           int t, int j0, int half, float (&c)[kVec], float (&s)[kVec]) {
+  const auto cv = *reinterpret_cast<const Packed<float, kVec>*>(cos + static_cast<int64_t>(t) * half + j0);
+  const auto sv = *reinterpret_cast<const Packed<float, kVec>*>(sin + static_cast<int64_t>(t) * half + j0);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    c[k] = cv.v[k];
+    s[k] = sv.v[k];
+  }
+}
+
+template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     RopeForwardKernel(const scalar_t* __restrict__ x, PartPtrs<scalar_t> out,
                       const float* __restrict__ cos, const float* __restrict__ sin,
-                      RopeGeometry g, int64_t pairs) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < pairs;
-       i += step) {
-    int b, t, p, m, j;
-    SplitIndex(i, g, b, t, p, m, j);
-    const scalar_t* in = x + b * g.stride_b + t * g.stride_t + p * g.stride_p + m * g.stride_m;
-    scalar_t* o = out.p[p] + ((static_cast<int64_t>(b) * g.T + t) * g.M + m) * (2 * g.half);
-    if (!((g.rotate_mask >> p) & 1u)) {
-      o[j] = in[j];
-      o[j + g.half] = in[j + g.half];
+                      RopeGeometry g, uint32_t items) {
+  using Vec = Packed<scalar_t, kVec>;
+  const uint32_t step = gridDim.x * kThreads;
+  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
+    const RowChunk r = SplitChunk<kVec>(i, g);
+    const scalar_t* in = x + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
+    scalar_t* o = out.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
+    const Vec a = *reinterpret_cast<const Vec*>(in + r.j0);
+    const Vec b = *reinterpret_cast<const Vec*>(in + r.j0 + g.half);
+    if (!((g.rotate_mask >> r.p) & 1u)) {
+      *reinterpret_cast<Vec*>(o + r.j0) = a;
+      *reinterpret_cast<Vec*>(o + r.j0 + g.half) = b;
       continue;
     }
-    const float x1 = static_cast<float>(in[j]), x2 = static_cast<float>(in[j + g.half]);
-    const float c = cos[static_cast<int64_t>(t) * g.half + j];
-    const float s = sin[static_cast<int64_t>(t) * g.half + j];
-    o[j] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    o[j + g.half] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c)));
+    float c[kVec], s[kVec];
+    LoadAngles<kVec>(cos, sin, r.t, r.j0, g.half, c, s);
+    Vec y1, y2;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float x1 = static_cast<float>(a.v[k]), x2 = static_cast<float>(b.v[k]);
+      y1.v[k] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(x1, c[k]), __fmul_rn(x2, s[k])));
+      y2.v[k] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(x1, s[k]), __fmul_rn(x2, c[k])));
+    }
+    *reinterpret_cast<Vec*>(o + r.j0) = y1;
+    *reinterpret_cast<Vec*>(o + r.j0 + g.half) = y2;
   }
 }
 
 // y1 = x1 c - x2 s, y2 = x1 s + x2 c  =>  dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s.
-template <typename scalar_t>
+template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     RopeBackwardKernel(PartPtrs<const scalar_t> grads, scalar_t* __restrict__ dx,
                        const float* __restrict__ cos, const float* __restrict__ sin,
-                       RopeGeometry g, int64_t pairs) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < pairs;
-       i += step) {
-    int b, t, p, m, j;
-    SplitIndex(i, g, b, t, p, m, j);
+                       RopeGeometry g, uint32_t items) {
+  using Vec = Packed<scalar_t, kVec>;
+  const uint32_t step = gridDim.x * kThreads;
+  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
+    const RowChunk r = SplitChunk<kVec>(i, g);
     const scalar_t* gp =
-        grads.p[p] + ((static_cast<int64_t>(b) * g.T + t) * g.M + m) * (2 * g.half);
-    scalar_t* o = dx + (i / g.half) * (2 * g.half);  // dx is [B,T,P,M,D] contiguous
-    if (!((g.rotate_mask >> p) & 1u)) {
-      o[j] = gp[j];
-      o[j + g.half] = gp[j + g.half];
+        grads.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
+    scalar_t* o = dx + static_cast<int64_t>(r.row) * (2 * g.half);  // dx: [B,T,P,M,D] contiguous
+    const Vec a = *reinterpret_cast<const Vec*>(gp + r.j0);
+    const Vec b = *reinterpret_cast<const Vec*>(gp + r.j0 + g.half);
+    if (!((g.rotate_mask >> r.p) & 1u)) {
+      *reinterpret_cast<Vec*>(o + r.j0) = a;
+      *reinterpret_cast<Vec*>(o + r.j0 + g.half) = b;
       continue;
     }
-    const float g1 = static_cast<float>(gp[j]), g2 = static_cast<float>(gp[j + g.half]);
-    const float c = cos[static_cast<int64_t>(t) * g.half + j];
-    const float s = sin[static_cast<int64_t>(t) * g.half + j];
-    o[j] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(g1, c), __fmul_rn(g2, s)));
-    o[j + g.half] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(g2, c), __fmul_rn(g1, s)));
+    float c[kVec], s[kVec];
+    LoadAngles<kVec>(cos, sin, r.t, r.j0, g.half, c, s);
+    Vec d1, d2;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float g1 = static_cast<float>(a.v[k]), g2 = static_cast<float>(b.v[k]);
+      d1.v[k] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(g1, c[k]), __fmul_rn(g2, s[k])));
+      d2.v[k] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(g2, c[k]), __fmul_rn(g1, s[k])));
+    }
+    *reinterpret_cast<Vec*>(o + r.j0) = d1;
+    *reinterpret_cast<Vec*>(o + r.j0 + g.half) = d2;
   }
+}
+
+// Pairs per work item: 4 when every row's halves start 4-aligned (strides, D/2 and the
+// pointers), else 1.
+constexpr int kRopeVec = 4;
+template <typename scalar_t>
+bool RowsTakeVectors(const RopeGeometry& g, const std::vector<const scalar_t*>& ptrs) {
+  bool ok = g.half % kRopeVec == 0 && g.stride_b % kRopeVec == 0 && g.stride_t % kRopeVec == 0 &&
+            g.stride_p % kRopeVec == 0 && g.stride_m % kRopeVec == 0;
+  for (const auto* p : ptrs) ok = ok && AlignedFor(p, kRopeVec);
+  return ok;
 }
 
 void CheckTable(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t half,
@@ -127,14 +177,22 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
   for (int64_t p = 0; p < P; ++p) outs.push_back(at::empty({B, T, M, D}, x.options()));
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return outs;
+  TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
   const RopeGeometry g{x.stride(0),         x.stride(1),         x.stride(2),
                        x.stride(3),         static_cast<int>(T), static_cast<int>(P),
                        static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_rope_forward", [&] {
     PartPtrs<scalar_t> ptrs{};
-    for (int64_t p = 0; p < P; ++p) ptrs.p[p] = outs[p].data_ptr<scalar_t>();
-    Launch(RopeForwardKernel<scalar_t>, GridFor(pairs), 0, x.data_ptr<scalar_t>(), ptrs,
-           cos.data_ptr<float>(), sin.data_ptr<float>(), g, pairs);
+    std::vector<const scalar_t*> all = {x.data_ptr<scalar_t>()};
+    for (int64_t p = 0; p < P; ++p) all.push_back(ptrs.p[p] = outs[p].data_ptr<scalar_t>());
+    if (RowsTakeVectors(g, all)) {
+      const auto items = static_cast<uint32_t>(pairs / kRopeVec);
+      Launch(RopeForwardKernel<scalar_t, kRopeVec>, GridFor(items), 0, x.data_ptr<scalar_t>(), ptrs,
+             cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
+    } else {
+      Launch(RopeForwardKernel<scalar_t, 1>, GridFor(pairs), 0, x.data_ptr<scalar_t>(), ptrs,
+             cos.data_ptr<float>(), sin.data_ptr<float>(), g, static_cast<uint32_t>(pairs));
+    }
   });
   return outs;
 }
@@ -157,13 +215,21 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
   auto dx = at::empty({B, T, P, M, D}, grads[0].options());
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return dx;
+  TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
   const RopeGeometry g{0, 0, 0, 0, static_cast<int>(T), static_cast<int>(P),
                        static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
     PartPtrs<const scalar_t> ptrs{};
-    for (int64_t p = 0; p < P; ++p) ptrs.p[p] = grads[p].data_ptr<scalar_t>();
-    Launch(RopeBackwardKernel<scalar_t>, GridFor(pairs), 0, ptrs, dx.data_ptr<scalar_t>(),
-           cos.data_ptr<float>(), sin.data_ptr<float>(), g, pairs);
+    std::vector<const scalar_t*> all = {dx.data_ptr<scalar_t>()};
+    for (int64_t p = 0; p < P; ++p) all.push_back(ptrs.p[p] = grads[p].data_ptr<scalar_t>());
+    if (RowsTakeVectors(g, all)) {
+      const auto items = static_cast<uint32_t>(pairs / kRopeVec);
+      Launch(RopeBackwardKernel<scalar_t, kRopeVec>, GridFor(items), 0, ptrs, dx.data_ptr<scalar_t>(),
+             cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
+    } else {
+      Launch(RopeBackwardKernel<scalar_t, 1>, GridFor(pairs), 0, ptrs, dx.data_ptr<scalar_t>(),
+             cos.data_ptr<float>(), sin.data_ptr<float>(), g, static_cast<uint32_t>(pairs));
+    }
   });
   return dx;
 }

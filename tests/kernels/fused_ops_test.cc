@@ -149,6 +149,15 @@ TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
   CheckRope(keys, Table(c.T), {true, true}, -1);
 }
 
+TEST_P(FusedOpsTest, RopeOfRowsNotAlignedForVectorAccessMatchesTheReference) {
+  const FusedCase c = GetParam();
+  // Rows D + 1 elements apart, starting one element in: the kernels' 4-pair vector path
+  // cannot take them and the one-pair path must.
+  const auto wide = torch::randn({c.B, c.T, c.H, c.D + 1}, Opts()).requires_grad_(true);
+  const auto x = wide.narrow(3, 1, c.D).unsqueeze(2);
+  CheckRope(x, Table(c.T), {true}, -1);
+}
+
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
   const FusedCase c = GetParam();
   const auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts())).requires_grad_(true);
