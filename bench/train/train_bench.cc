@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "model/rms_norm.h"
+#include "model/shared_input_linear.h"
 #include "model/transformer.h"
 #include "nsa/dispatch.h"
 #include "trainer/optimizer.h"
@@ -75,8 +76,8 @@ struct DenseBlockImpl : torch::nn::Module {
     auto a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
                                               std::nullopt, /*enable_gqa=*/true);
     x = x + o->forward(a.transpose(1, 2).reshape({B, T, h * d}));
-    const auto y = n2->forward(x);
-    return x + w2->forward(torch::silu(w1->forward(y)) * w3->forward(y));
+    const auto gate_up = nsad::SharedInputLinear(n2->forward(x), {w1, w3});  // as the NSA model
+    return x + w2->forward(torch::silu(gate_up[0]) * gate_up[1]);
   }
   int64_t h, g, d;
   nsad::RmsNorm n1{nullptr}, n2{nullptr};

@@ -15,6 +15,7 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "model/shared_input_linear.h"
 #include "nsa/attention.h"
 
 namespace nsad {
@@ -45,8 +46,8 @@ class NsaBlockImpl : public torch::nn::Module {
     auto attn_out = attn->forward(attn_norm->forward(x));
     if (tap) attn_out = tap(layer, "attention", attn_out);
     x = x + attn_out;
-    const auto h = mlp_norm->forward(x);
-    auto mlp_out = mlp_down->forward(torch::silu(mlp_gate->forward(h)) * mlp_up->forward(h));
+    const auto gate_up = SharedInputLinear(mlp_norm->forward(x), {mlp_gate, mlp_up});
+    auto mlp_out = mlp_down->forward(torch::silu(gate_up[0]) * gate_up[1]);
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
     return x + mlp_out;
   }

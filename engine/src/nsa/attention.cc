@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "model/shared_input_linear.h"
 #include "nsa/dispatch.h"
 
 namespace nsad::nsa {
@@ -119,13 +120,15 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& g = geometry_;
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
+  // The three layers that read x (q, kv and the gate MLP's first) as one GEMM.
+  const auto projected = SharedInputLinear(
+      x, {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))});
   // RoPE through the dispatch (fused kernels on the CUDA backend).
-  const auto q =
-      RotateParts(backend_, q_proj_->forward(x).view({B, T, 1, H, D}), rope.tokens, {true})[0];
+  const auto q = RotateParts(backend_, projected[0].view({B, T, 1, H, D}), rope.tokens, {true})[0];
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
   // contiguous parts by one call, which also rotates the selected and window keys; its
   // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
-  const auto kv = RotateParts(backend_, kv_proj_->forward(x).view({B, T, 6, G, D}), rope.tokens,
+  const auto kv = RotateParts(backend_, projected[1].view({B, T, 6, G, D}), rope.tokens,
                               {false, false, true, false, true, false});
   const auto& k_slc = kv[2];
   const auto& v_slc = kv[3];
@@ -140,7 +143,10 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto o_slc = SelectedAttention(backend_, q, k_slc, v_slc, block_idx, g);
   const auto o_win = SlidingWindowAttention(backend_, q, k_win, v_win, g);
 
-  const auto gates = gate_mlp_->forward(x).view({B, T, H, 3});
+  // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
+  // after its first layer.
+  const auto gate_logits = gate_mlp_->ptr<torch::nn::LinearImpl>(2)->forward(torch::silu(projected[2]));
+  const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
   const auto mixed = MixBranches(backend_, gates, cmp.out, o_slc, o_win);
   last_gates_ = gates.detach();
   last_block_idx_ = block_idx.detach();
