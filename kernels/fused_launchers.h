@@ -1,5 +1,6 @@
 // Host-side entry points of the fused elementwise kernels of the attention module
-// (kernels/rope.cu, kernels/gate_mix.cu) and of the loss (kernels/cross_entropy.cu),
+// (kernels/rope.cu, kernels/gate_mix.cu), the MLP (kernels/swiglu.cu) and the loss
+// (kernels/cross_entropy.cu),
 // called by the autograd functions in fused_ops.cc. Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
 // float32 and every output is rounded once to the input type.
 #pragma once
@@ -47,5 +48,10 @@ std::tuple<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits,
 at::Tensor CrossEntropyBackward(const at::Tensor& logits, const at::Tensor& targets,
                                 const at::Tensor& row_stats, const at::Tensor& grad_scale,
                                 int64_t ignore_index);
+
+// SwiGLU of the joint projection [.., 2F] = [gate | up] (contiguous): silu(gate) * up,
+// [.., F]; the backward returns the joint gradient [.., 2F].
+at::Tensor SwiGluForward(const at::Tensor& joint);
+at::Tensor SwiGluBackward(const at::Tensor& dout, const at::Tensor& joint);
 
 }  // namespace nsad::nsa::cuda::detail

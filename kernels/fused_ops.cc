@@ -72,6 +72,18 @@ struct CrossEntropyFn : torch::autograd::Function<CrossEntropyFn> {
   }
 };
 
+struct SwiGluFn : torch::autograd::Function<SwiGluFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& joint) {
+    RECORD_FUNCTION("nsa::swiglu_forward", std::vector<c10::IValue>());
+    ctx->save_for_backward({joint});
+    return detail::SwiGluForward(joint);
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::swiglu_backward", std::vector<c10::IValue>());
+    return {detail::SwiGluBackward(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
 }  // namespace
 
 bool FusedOpsTake(const torch::Tensor& t) {
@@ -102,6 +114,8 @@ torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp
 }  // namespace nsad::nsa::cuda
 
 namespace nsad::nsa::cuda {
+
+torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
 
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                            int64_t ignore_index) {

@@ -1,8 +1,8 @@
 // Fused CUDA versions of the attention module's elementwise steps (RoPE and the gate
-// mixing of the three branches) and of the model's loss (cross-entropy), as autograd
-// functions with a one-kernel forward and a one-kernel backward. Their oracles are the
-// LibTorch code in nsa/rope.h (ApplyRope) and nsa/dispatch.cc (the reference mixing, the
-// reference loss); nsa/dispatch.h decides which one runs.
+// mixing of the three branches) and of the model's SwiGLU and loss (cross-entropy), as
+// autograd functions with a one-kernel forward and a one-kernel backward. Their oracles are
+// the LibTorch code in nsa/rope.h (ApplyRope) and nsa/dispatch.cc (the reference mixing,
+// SwiGLU and loss); nsa/dispatch.h decides which one runs.
 // Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS).
 #pragma once
 
@@ -29,6 +29,10 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
 // all four inputs.
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
                           const torch::Tensor& o_slc, const torch::Tensor& o_win);
+
+// joint [.., 2F] = [gate | up] -> silu(gate) * up [.., F], differentiable w.r.t. joint
+// (whose gradient comes back as one contiguous tensor).
+torch::Tensor SwiGlu(const torch::Tensor& joint);
 
 // Mean cross-entropy of logits [N, V] (bf16, fp16 or fp32; the maths in float32) against
 // int64 targets [N], over the targets that are not ignore_index: LibTorch's

@@ -6,6 +6,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "attention_tile.cuh"
@@ -25,6 +26,13 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Packed {
   T v[N];
 };
+
+// CTAs for a grid-stride loop over `items` work items of one thread each: a few waves are
+// enough for a memory-bound kernel.
+inline dim3 GridStride(int64_t items) {
+  const int64_t ctas = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t{1} << 16);
+  return dim3(static_cast<unsigned>(std::max<int64_t>(ctas, 1)));
+}
 
 // Whether p is aligned for Packed<T, N> accesses.
 template <typename T>

@@ -156,12 +156,6 @@ void CheckTable(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t
               "rope table ", cos.sizes(), " does not fit ", T, " positions and D/2 = ", half);
 }
 
-dim3 GridFor(int64_t n) {
-  // Grid-stride: a few waves of CTAs are enough for a memory-bound kernel.
-  const int64_t ctas = std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{1} << 16);
-  return dim3(static_cast<unsigned>(std::max<int64_t>(ctas, 1)));
-}
-
 }  // namespace
 
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
@@ -187,10 +181,10 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
     for (int64_t p = 0; p < P; ++p) all.push_back(ptrs.p[p] = outs[p].data_ptr<scalar_t>());
     if (RowsTakeVectors(g, all)) {
       const auto items = static_cast<uint32_t>(pairs / kRopeVec);
-      Launch(RopeForwardKernel<scalar_t, kRopeVec>, GridFor(items), 0, x.data_ptr<scalar_t>(), ptrs,
+      Launch(RopeForwardKernel<scalar_t, kRopeVec>, GridStride(items), 0, x.data_ptr<scalar_t>(), ptrs,
              cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
     } else {
-      Launch(RopeForwardKernel<scalar_t, 1>, GridFor(pairs), 0, x.data_ptr<scalar_t>(), ptrs,
+      Launch(RopeForwardKernel<scalar_t, 1>, GridStride(pairs), 0, x.data_ptr<scalar_t>(), ptrs,
              cos.data_ptr<float>(), sin.data_ptr<float>(), g, static_cast<uint32_t>(pairs));
     }
   });
@@ -224,10 +218,10 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
     for (int64_t p = 0; p < P; ++p) all.push_back(ptrs.p[p] = grads[p].data_ptr<scalar_t>());
     if (RowsTakeVectors(g, all)) {
       const auto items = static_cast<uint32_t>(pairs / kRopeVec);
-      Launch(RopeBackwardKernel<scalar_t, kRopeVec>, GridFor(items), 0, ptrs, dx.data_ptr<scalar_t>(),
+      Launch(RopeBackwardKernel<scalar_t, kRopeVec>, GridStride(items), 0, ptrs, dx.data_ptr<scalar_t>(),
              cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
     } else {
-      Launch(RopeBackwardKernel<scalar_t, 1>, GridFor(pairs), 0, ptrs, dx.data_ptr<scalar_t>(),
+      Launch(RopeBackwardKernel<scalar_t, 1>, GridStride(pairs), 0, ptrs, dx.data_ptr<scalar_t>(),
              cos.data_ptr<float>(), sin.data_ptr<float>(), g, static_cast<uint32_t>(pairs));
     }
   });

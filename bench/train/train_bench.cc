@@ -76,8 +76,9 @@ struct DenseBlockImpl : torch::nn::Module {
     auto a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
                                               std::nullopt, /*enable_gqa=*/true);
     x = x + o->forward(a.transpose(1, 2).reshape({B, T, h * d}));
-    const auto gate_up = nsad::SharedInputLinear(n2->forward(x), {w1, w3});  // as the NSA model
-    return x + w2->forward(torch::silu(gate_up[0]) * gate_up[1]);
+    // As the NSA model: one GEMM for w1 and w3, the fused SwiGLU.
+    const auto gate_up = nsad::SharedInputLinearJoint(n2->forward(x), {w1, w3});
+    return x + w2->forward(nsad::nsa::SwiGlu(AttentionBackend::kCuda, gate_up));
   }
   int64_t h, g, d;
   nsad::RmsNorm n1{nullptr}, n2{nullptr};

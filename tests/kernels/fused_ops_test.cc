@@ -182,6 +182,28 @@ TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
   ExpectClose(grads[3], ref_grads[3], Tolerance(), "mix d_win");
 }
 
+// The joint [gate | up] projection through the fused SwiGLU and through float32 LibTorch:
+// output and the joint gradient. F = H*D takes the 16-byte path, F = H*D - 3 the one-element
+// path.
+TEST_P(FusedOpsTest, SwiGluMatchesTheReference) {
+  const FusedCase c = GetParam();
+  for (const int64_t F : {c.H * c.D, c.H * c.D - 3}) {
+    const auto joint = torch::randn({c.B, c.T, 2 * F}, Opts()).requires_grad_(true);
+    const auto w = torch::randn({c.B, c.T, F}, Opts());
+    Poison();
+    const auto out = cuda::SwiGlu(joint);
+    Poison();
+    const auto grad = torch::autograd::grad({out}, {joint}, {w})[0];
+    const auto j32 = Upcast(joint);
+    const auto halves = j32.chunk(2, -1);
+    const auto ref = torch::silu(halves[0]) * halves[1];
+    const auto ref_grad = torch::autograd::grad({ref}, {j32}, {w.to(torch::kFloat)})[0];
+    const std::string what = "swiglu F=" + std::to_string(F);
+    ExpectClose(out, ref, Tolerance(), what + " out");
+    ExpectClose(grad, ref_grad, Tolerance(), what + " d joint");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, FusedOpsTest,
                          testing::Values(FusedCase{1, 1, 4, 64, torch::kBFloat16},
                                          FusedCase{2, 33, 12, 64, torch::kBFloat16},

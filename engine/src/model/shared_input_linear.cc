@@ -2,15 +2,13 @@
 
 namespace nsad {
 
-std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
-                                             const std::vector<torch::nn::Linear>& layers) {
+torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
+                                     const std::vector<torch::nn::Linear>& layers) {
   TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
   std::vector<torch::Tensor> weights, biases;
-  std::vector<int64_t> sizes;
   bool any_bias = false;
   for (const auto& layer : layers) {
     weights.push_back(layer->weight);
-    sizes.push_back(layer->weight.size(0));
     any_bias = any_bias || layer->bias.defined();
   }
   if (any_bias) {
@@ -20,9 +18,15 @@ std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                                             layer->weight.options()));
     }
   }
-  const auto y = torch::nn::functional::linear(x, torch::cat(weights),
-                                               any_bias ? torch::cat(biases) : torch::Tensor());
-  return y.split_with_sizes(sizes, -1);
+  return torch::nn::functional::linear(x, torch::cat(weights),
+                                      any_bias ? torch::cat(biases) : torch::Tensor());
+}
+
+std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
+                                             const std::vector<torch::nn::Linear>& layers) {
+  std::vector<int64_t> sizes;
+  for (const auto& layer : layers) sizes.push_back(layer->weight.size(0));
+  return SharedInputLinearJoint(x, layers).split_with_sizes(sizes, -1);
 }
 
 }  // namespace nsad

@@ -15,8 +15,12 @@
 
 namespace nsad {
 
-// layers[i] maps x's last dim to its out_features; returns layers[i](x) for each i (views
-// into one [..., sum of out_features] tensor). Layers without a bias add zeros.
+// layers[i] maps x's last dim to its out_features; returns the joint output
+// [..., sum of out_features] = [layers[0](x) | layers[1](x) | ...]. Layers without a bias
+// add zeros.
+torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
+                                     const std::vector<torch::nn::Linear>& layers);
+// The same, split into layers[i](x) for each i (views into the joint output).
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers);
 

@@ -17,6 +17,7 @@
 
 #include "model/shared_input_linear.h"
 #include "nsa/attention.h"
+#include "nsa/dispatch.h"
 
 namespace nsad {
 namespace {
@@ -32,7 +33,8 @@ torch::nn::Linear NormalLinear(int64_t in, int64_t out, double std) {
 
 class NsaBlockImpl : public torch::nn::Module {
  public:
-  NsaBlockImpl(const ModelConfig& config, AttentionBackend backend, double residual_std) {
+  NsaBlockImpl(const ModelConfig& config, AttentionBackend backend, double residual_std)
+      : backend_(backend) {
     const int64_t dim = config.dim, hidden = EffectiveMlpHidden(config);
     attn_norm = register_module("attn_norm", MakeNorm(config));
     attn = register_module("attn", nsa::NsaAttention(config, backend, residual_std));
@@ -46,8 +48,8 @@ class NsaBlockImpl : public torch::nn::Module {
     auto attn_out = attn->forward(attn_norm->forward(x));
     if (tap) attn_out = tap(layer, "attention", attn_out);
     x = x + attn_out;
-    const auto gate_up = SharedInputLinear(mlp_norm->forward(x), {mlp_gate, mlp_up});
-    auto mlp_out = mlp_down->forward(torch::silu(gate_up[0]) * gate_up[1]);
+    const auto gate_up = SharedInputLinearJoint(mlp_norm->forward(x), {mlp_gate, mlp_up});
+    auto mlp_out = mlp_down->forward(nsa::SwiGlu(backend_, gate_up));
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
     return x + mlp_out;
   }
@@ -55,6 +57,9 @@ class NsaBlockImpl : public torch::nn::Module {
   RmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
   nsa::NsaAttention attn{nullptr};
   torch::nn::Linear mlp_gate{nullptr}, mlp_up{nullptr}, mlp_down{nullptr};
+
+ private:
+  AttentionBackend backend_;  // also picks the fused SwiGLU (nsa/dispatch.h)
 };
 TORCH_MODULE(NsaBlock);
 

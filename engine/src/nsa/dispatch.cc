@@ -118,6 +118,19 @@ torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
          gates.select(-1, 2).unsqueeze(-1) * o_win;
 }
 
+torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(joint)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::SwiGlu(joint);
+  }
+#else
+  UseCuda(backend);
+#endif
+  const auto halves = joint.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1];
+}
+
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
                                const torch::Tensor& targets) {
 #ifdef NSAD_HAVE_CUDA_KERNELS

@@ -43,13 +43,16 @@ std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Te
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
                           const torch::Tensor& o_win);
+// The SwiGLU of the model's MLP: joint [.., 2F] = [gate | up] (one GEMM's output) ->
+// silu(gate) * up [.., F].
+torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes
 // back in the logits' dtype.
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
                                const torch::Tensor& targets);
-// How many fused calls (RotateParts / MixBranches / CrossEntropyLoss on the kernels) this process
+// How many fused calls (RotateParts / MixBranches / SwiGlu / CrossEntropyLoss on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 

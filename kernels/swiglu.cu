@@ -1,0 +1,121 @@
+// Fused SwiGLU: out = silu(gate) * up from the joint projection [.., 2F] = [gate | up] (one
+// GEMM, model/shared_input_linear.h), one kernel forward and one backward that writes the
+// joint gradient [.., 2F] in one piece.
+//
+// Why: LibTorch runs silu, mul, and in the backward mul's two products, silu_backward and
+// the concatenation of the two halves' gradients (split's backward): ~14 passes over [N, F]
+// tensors. These kernels make 3 forward (read gate and up, write out) and 5 backward.
+//
+// Each thread handles kVec consecutive features of one row (16-byte accesses when F and the
+// pointers allow it, else 1). float32 arithmetic, each output rounded once.
+#include "fused_launchers.h"
+#include "launch_util.cuh"
+
+namespace nsad::nsa::cuda::detail {
+namespace {
+
+__device__ __forceinline__ float Sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
+
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    SwiGluForwardKernel(const scalar_t* __restrict__ joint, scalar_t* __restrict__ out,
+                        int64_t rows, int64_t F) {
+  using Vec = Packed<scalar_t, kVec>;
+  const int64_t chunks = F / kVec, items = rows * chunks;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
+    const Vec a = *reinterpret_cast<const Vec*>(joint + row * 2 * F + f);
+    const Vec b = *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f);
+    Vec y;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float g = static_cast<float>(a.v[k]);
+      y.v[k] = static_cast<scalar_t>(g * Sigmoid(g) * static_cast<float>(b.v[k]));
+    }
+    *reinterpret_cast<Vec*>(out + row * F + f) = y;
+  }
+}
+
+// d gate = dout * up * s (1 + gate (1 - s)) with s = sigmoid(gate); d up = dout * silu(gate).
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    SwiGluBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ joint,
+                         scalar_t* __restrict__ djoint, int64_t rows, int64_t F) {
+  using Vec = Packed<scalar_t, kVec>;
+  const int64_t chunks = F / kVec, items = rows * chunks;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
+    const Vec a = *reinterpret_cast<const Vec*>(joint + row * 2 * F + f);
+    const Vec b = *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f);
+    const Vec d = *reinterpret_cast<const Vec*>(dout + row * F + f);
+    Vec da, db;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float g = static_cast<float>(a.v[k]), u = static_cast<float>(b.v[k]);
+      const float go = static_cast<float>(d.v[k]), s = Sigmoid(g);
+      da.v[k] = static_cast<scalar_t>(go * u * s * (1.f + g * (1.f - s)));
+      db.v[k] = static_cast<scalar_t>(go * g * s);
+    }
+    *reinterpret_cast<Vec*>(djoint + row * 2 * F + f) = da;
+    *reinterpret_cast<Vec*>(djoint + row * 2 * F + F + f) = db;
+  }
+}
+
+void CheckJoint(const at::Tensor& joint) {
+  TORCH_CHECK(joint.is_cuda() && joint.is_contiguous() && joint.dim() >= 1 &&
+                  joint.size(-1) % 2 == 0,
+              "SwiGLU takes a contiguous CUDA tensor [.., 2F], got ", joint.sizes());
+}
+
+// Launches kernel<kVec = 16 bytes> when F and the pointers allow it, else kernel<1>.
+template <typename scalar_t, typename Wide, typename Narrow, typename... Args>
+void LaunchRows(Wide wide, Narrow narrow, int64_t rows, int64_t F,
+                std::initializer_list<const void*> ptrs, Args... args) {
+  constexpr int kWide = 16 / sizeof(scalar_t);
+  bool aligned = F % kWide == 0;
+  for (const void* p : ptrs) aligned = aligned && AlignedFor(static_cast<const scalar_t*>(p), kWide);
+  if (aligned) {
+    Launch(wide, GridStride(rows * (F / kWide)), 0, args..., rows, F);
+  } else {
+    Launch(narrow, GridStride(rows * F), 0, args..., rows, F);
+  }
+}
+
+}  // namespace
+
+at::Tensor SwiGluForward(const at::Tensor& joint) {
+  CheckJoint(joint);
+  const int64_t F = joint.size(-1) / 2, rows = F == 0 ? 0 : joint.numel() / (2 * F);
+  auto sizes = joint.sizes().vec();
+  sizes.back() = F;
+  auto out = at::empty(sizes, joint.options());
+  if (rows == 0) return out;
+  NSA_DISPATCH_TYPES(joint.scalar_type(), "nsa_swiglu_forward", [&] {
+    constexpr int kWide = 16 / sizeof(scalar_t);
+    LaunchRows<scalar_t>(SwiGluForwardKernel<scalar_t, kWide>, SwiGluForwardKernel<scalar_t, 1>, rows,
+                         F, {joint.data_ptr(), out.data_ptr()}, joint.data_ptr<scalar_t>(),
+                         out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor SwiGluBackward(const at::Tensor& dout_in, const at::Tensor& joint) {
+  CheckJoint(joint);
+  const int64_t F = joint.size(-1) / 2, rows = F == 0 ? 0 : joint.numel() / (2 * F);
+  TORCH_CHECK(dout_in.numel() == rows * F, "SwiGLU gradient must have the output's shape");
+  const auto dout = dout_in.to(joint.scalar_type()).contiguous();
+  auto djoint = at::empty_like(joint);
+  if (rows == 0) return djoint;
+  NSA_DISPATCH_TYPES(joint.scalar_type(), "nsa_swiglu_backward", [&] {
+    constexpr int kWide = 16 / sizeof(scalar_t);
+    LaunchRows<scalar_t>(SwiGluBackwardKernel<scalar_t, kWide>, SwiGluBackwardKernel<scalar_t, 1>,
+                         rows, F, {dout.data_ptr(), joint.data_ptr(), djoint.data_ptr()},
+                         dout.data_ptr<scalar_t>(), joint.data_ptr<scalar_t>(),
+                         djoint.data_ptr<scalar_t>());
+  });
+  return djoint;
+}
+
+}  // namespace nsad::nsa::cuda::detail
