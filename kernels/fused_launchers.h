@@ -1,6 +1,6 @@
 // Host-side entry points of the fused elementwise kernels of the attention module
-// (kernels/rope.cu, kernels/gate_mix.cu), the MLP (kernels/swiglu.cu) and the loss
-// (kernels/cross_entropy.cu),
+// (kernels/rope.cu, kernels/gate_mix.cu), the block (kernels/swiglu.cu,
+// kernels/add_rms_norm.cu) and the loss (kernels/cross_entropy.cu),
 // called by the autograd functions in fused_ops.cc. Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
 // float32 and every output is rounded once to the input type.
 #pragma once
@@ -53,5 +53,19 @@ at::Tensor CrossEntropyBackward(const at::Tensor& logits, const at::Tensor& targ
 // [.., F]; the backward returns the joint gradient [.., 2F].
 at::Tensor SwiGluForward(const at::Tensor& joint);
 at::Tensor SwiGluBackward(const at::Tensor& dout, const at::Tensor& joint);
+
+// Residual add + RMSNorm: s = x + y (x float32, s float32), h = s * rsqrt(mean(s^2) + eps)
+// * weight (weight float32 [C]) in y's dtype; also returns rstd [rows] float32. Channels up
+// to kAddRmsNormMaxChannels.
+constexpr int64_t kAddRmsNormMaxChannels = 3072;
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tensor& x,
+                                                                 const at::Tensor& y,
+                                                                 const at::Tensor& weight,
+                                                                 double eps);
+// Gradients from ds_in (w.r.t. s, float32; may be undefined = zero) and dh: returns
+// (dx float32, dy in dh's dtype -- the same values -- and dweight float32 [C]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
+    const at::Tensor& ds_in, const at::Tensor& dh, const at::Tensor& s, const at::Tensor& rstd,
+    const at::Tensor& weight);
 
 }  // namespace nsad::nsa::cuda::detail

@@ -84,6 +84,24 @@ struct SwiGluFn : torch::autograd::Function<SwiGluFn> {
   }
 };
 
+// Outputs (s, h); saves s and rstd (h is recomputable, not needed by the backward).
+struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& y,
+                             const torch::Tensor& weight, double eps) {
+    RECORD_FUNCTION("nsa::add_rms_norm_forward", std::vector<c10::IValue>());
+    auto [s, h, rstd] = detail::AddRmsNormForward(x, y, weight, eps);
+    ctx->save_for_backward({s, rstd, weight});
+    return {s, h};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::add_rms_norm_backward", std::vector<c10::IValue>());
+    const auto saved = ctx->get_saved_variables();
+    // Autograd materialises the gradient of an unused output as zeros, so both are defined.
+    auto [dx, dy, dw] = detail::AddRmsNormBackward(grads[0], grads[1], saved[0], saved[1], saved[2]);
+    return {dx, dy, dw, torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool FusedOpsTake(const torch::Tensor& t) {
@@ -114,6 +132,19 @@ torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp
 }  // namespace nsad::nsa::cuda
 
 namespace nsad::nsa::cuda {
+
+bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight) {
+  return x.is_cuda() && x.scalar_type() == torch::kFloat && FusedOpsTake(y) &&
+         y.device() == x.device() && x.sizes() == y.sizes() && weight.is_cuda() &&
+         weight.scalar_type() == torch::kFloat && weight.dim() == 1 && x.dim() >= 1 &&
+         weight.size(0) == x.size(-1) && weight.size(0) <= detail::kAddRmsNormMaxChannels;
+}
+
+std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const torch::Tensor& y,
+                                                   const torch::Tensor& weight, double eps) {
+  auto out = AddRmsNormFn::apply(x.contiguous(), y.contiguous(), weight, eps);
+  return {out[0], out[1]};
+}
 
 torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
 

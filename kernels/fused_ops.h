@@ -1,8 +1,9 @@
 // Fused CUDA versions of the attention module's elementwise steps (RoPE and the gate
-// mixing of the three branches) and of the model's SwiGLU and loss (cross-entropy), as
-// autograd functions with a one-kernel forward and a one-kernel backward. Their oracles are
-// the LibTorch code in nsa/rope.h (ApplyRope) and nsa/dispatch.cc (the reference mixing,
-// SwiGLU and loss); nsa/dispatch.h decides which one runs.
+// mixing of the three branches) and of the model's residual add + RMSNorm, SwiGLU and loss
+// (cross-entropy), as autograd functions with a one-kernel forward and a one-kernel
+// backward. Their oracles are the LibTorch code in nsa/rope.h (ApplyRope) and
+// nsa/dispatch.cc (the reference mixing, add + norm, SwiGLU and loss); nsa/dispatch.h
+// decides which one runs.
 // Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS).
 #pragma once
 
@@ -29,6 +30,14 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
 // all four inputs.
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
                           const torch::Tensor& o_slc, const torch::Tensor& o_win);
+
+// Residual add + RMSNorm: x float32 [.., C], y [.., C] (bf16, fp16 or fp32), weight
+// float32 [C] -> (s = x + y float32, h = rms_norm(s, weight, eps) in y's dtype),
+// differentiable w.r.t. x, y and weight. C at most detail::kAddRmsNormMaxChannels (3072).
+std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const torch::Tensor& y,
+                                                   const torch::Tensor& weight, double eps);
+// Whether AddRmsNorm takes these inputs (devices, dtypes, shapes, channel count).
+bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight);
 
 // joint [.., 2F] = [gate | up] -> silu(gate) * up [.., F], differentiable w.r.t. joint
 // (whose gradient comes back as one contiguous tensor).

@@ -204,6 +204,42 @@ TEST_P(FusedOpsTest, SwiGluMatchesTheReference) {
   }
 }
 
+// Residual add + RMSNorm against float32 LibTorch (x + y, rms_norm): both outputs carry
+// gradient, so dx/dy sum the residual and the norm paths. C = H*D takes the 4-channel
+// path, C = H*D - 3 the one-channel path.
+TEST_P(FusedOpsTest, AddRmsNormMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const auto f32 = Opts().dtype(torch::kFloat);
+  for (const int64_t C : {c.H * c.D, c.H * c.D - 3}) {
+    const auto x = torch::randn({c.B, c.T, C}, f32).requires_grad_(true);
+    const auto y = torch::randn({c.B, c.T, C}, Opts()).requires_grad_(true);
+    const auto w = (torch::rand({C}, f32) + 0.5).requires_grad_(true);
+    const auto ws = torch::randn({c.B, c.T, C}, f32), wh = torch::randn({c.B, c.T, C}, Opts());
+    ASSERT_TRUE(cuda::AddRmsNormTakes(x, y, w));
+    Poison();
+    const auto [s_out, h_out] = cuda::AddRmsNorm(x, y, w, 1e-5);
+    Poison();
+    const auto grads = torch::autograd::grad({s_out, h_out}, {x, y, w}, {ws, wh});
+
+    const auto y32 = Upcast(y);
+    const auto x32 = x.detach().requires_grad_(true), w32 = w.detach().requires_grad_(true);
+    const auto s_ref = x32 + y32;
+    const auto h_ref = torch::rms_norm(s_ref, {C}, w32, 1e-5);
+    const auto ref = torch::autograd::grad({s_ref, h_ref}, {x32, y32, w32}, {ws, wh.to(torch::kFloat)});
+    const std::string what = "add_rms_norm C=" + std::to_string(C);
+    // s and dx are float32 on both sides: the same additions, within float32 rounding.
+    EXPECT_EQ(s_out.scalar_type(), torch::kFloat);
+    EXPECT_LT(RelErr(s_out, s_ref), 1e-6) << what << " s";
+    ExpectClose(h_out, h_ref, Tolerance(), what + " h");
+    EXPECT_EQ(grads[0].scalar_type(), torch::kFloat);
+    EXPECT_LT(RelErr(grads[0], ref[0]), 1e-4) << what << " dx";
+    ExpectClose(grads[1], ref[1], Tolerance(), what + " dy");
+    EXPECT_LT(RelErr(grads[2], ref[2]), 1e-4) << what << " dweight";
+    std::printf("    %s dx %.2e dweight %.2e\n", what.c_str(), RelErr(grads[0], ref[0]),
+                RelErr(grads[2], ref[2]));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, FusedOpsTest,
                          testing::Values(FusedCase{1, 1, 4, 64, torch::kBFloat16},
                                          FusedCase{2, 33, 12, 64, torch::kBFloat16},

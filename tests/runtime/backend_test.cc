@@ -54,8 +54,9 @@ class BackendTest : public ::testing::Test {
             nsa::LayersExecuted(AttentionBackend::kCuda) - cuda0};
   }
   // Fused calls per layer forward with the CUDA backend: RoPE of q, of the selected+window
-  // keys (one call) and of the compressed keys, the gate mixing and the SwiGLU.
-  static constexpr int64_t kFusedPerLayer = 5;
+  // keys (one call) and of the compressed keys, the gate mixing, the residual add + the
+  // MLP's norm, and the SwiGLU.
+  static constexpr int64_t kFusedPerLayer = 6;
   testing::TempDir tmp_{"nsad-backend-test"};
 };
 
@@ -79,7 +80,7 @@ TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
-  EXPECT_EQ(fused, 3 * (2 * kFusedPerLayer + 1)) << "RoPE, gate mixing, SwiGLU and the loss run fused";
+  EXPECT_EQ(fused, 3 * (2 * kFusedPerLayer + 1)) << "RoPE, gate mixing, add + norm, SwiGLU and the loss run fused";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {

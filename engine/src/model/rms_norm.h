@@ -14,6 +14,7 @@ class RmsNormImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     return torch::rms_norm(x, {weight.size(0)}, weight, eps_);
   }
+  double eps() const { return eps_; }
   torch::Tensor weight;
 
  private:

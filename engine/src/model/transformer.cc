@@ -47,8 +47,10 @@ class NsaBlockImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, int layer, const NsaTransformerImpl::Tap& tap) {
     auto attn_out = attn->forward(attn_norm->forward(x));
     if (tap) attn_out = tap(layer, "attention", attn_out);
-    x = x + attn_out;
-    const auto gate_up = SharedInputLinearJoint(mlp_norm->forward(x), {mlp_gate, mlp_up});
+    // x + attn_out and the MLP's norm of it in one step (one kernel on the CUDA backend).
+    torch::Tensor normed;
+    std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, attn_out, mlp_norm->weight, mlp_norm->eps());
+    const auto gate_up = SharedInputLinearJoint(normed, {mlp_gate, mlp_up});
     auto mlp_out = mlp_down->forward(nsa::SwiGlu(backend_, gate_up));
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
     return x + mlp_out;

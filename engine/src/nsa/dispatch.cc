@@ -118,6 +118,22 @@ torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
          gates.select(-1, 2).unsqueeze(-1) * o_win;
 }
 
+std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, const torch::Tensor& x,
+                                                   const torch::Tensor& y,
+                                                   const torch::Tensor& weight, double eps) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::AddRmsNormTakes(x, y, weight)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::AddRmsNorm(x, y, weight, eps);
+  }
+#else
+  UseCuda(backend);
+#endif
+  auto s = x + y;
+  auto h = torch::rms_norm(s, {weight.size(0)}, weight, eps);
+  return {s, h};
+}
+
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(joint)) {

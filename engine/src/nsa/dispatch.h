@@ -43,6 +43,12 @@ std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Te
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
                           const torch::Tensor& o_win);
+// The residual add and the RMSNorm after it: (s = x + y, rms_norm(s) * weight). The fused
+// path (float32 x, CUDA) returns the norm already in y's dtype -- the next GEMM's input
+// dtype under autocast; the reference returns it in float32 and autocast casts it there.
+std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, const torch::Tensor& x,
+                                                   const torch::Tensor& y,
+                                                   const torch::Tensor& weight, double eps);
 // The SwiGLU of the model's MLP: joint [.., 2F] = [gate | up] (one GEMM's output) ->
 // silu(gate) * up [.., F].
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
@@ -52,7 +58,8 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // back in the logits' dtype.
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
                                const torch::Tensor& targets);
-// How many fused calls (RotateParts / MixBranches / SwiGlu / CrossEntropyLoss on the kernels) this process
+// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / CrossEntropyLoss
+// on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 

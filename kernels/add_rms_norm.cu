@@ -1,0 +1,223 @@
+// Residual add fused with the RMSNorm that follows it: s = x + y, h = rms_norm(s) * w, with
+// h written directly in the dtype of the next GEMM's input (bf16 under autocast).
+//
+// Why: in the block `x = x + attn(..); h = norm(x)`, LibTorch runs the add, the norm (float32
+// out), autocast's cast of h to bf16, and in the backward the cast back, the norm backward,
+// the add's backward (a cast of the gradient for the bf16 branch) and the accumulation of
+// the two gradients of x: ~10 passes over [B*T, C] float32. These kernels make 4 forward and
+// 5 backward, and the backward hands out the residual gradient in both dtypes at once.
+//
+// One warp per row (grid-stride over rows); each lane moves kVec consecutive channels per
+// access. The weight gradient is summed per warp in shared memory, then per CTA, then over
+// CTAs by ATen; rows up to kAddRmsNormMaxChannels channels (the shared memory it takes).
+#include <cmath>
+
+#include "fused_launchers.h"
+#include "launch_util.cuh"
+
+namespace nsad::nsa::cuda::detail {
+namespace {
+
+constexpr int kWarps = kThreads / 32;
+
+template <int kVec, typename T>
+__device__ __forceinline__ void LoadFloats(const T* p, float (&v)[kVec]) {
+  const auto packed = *reinterpret_cast<const Packed<T, kVec>*>(p);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v[k] = static_cast<float>(packed.v[k]);
+}
+template <int kVec, typename T>
+__device__ __forceinline__ void StoreFloats(T* p, const float (&v)[kVec]) {
+  Packed<T, kVec> packed;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) packed.v[k] = static_cast<T>(v[k]);
+  *reinterpret_cast<Packed<T, kVec>*>(p) = packed;
+}
+
+// x float32, y and h of type scalar_t; s float32; rstd float32 [rows].
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    AddRmsNormForwardKernel(const float* __restrict__ x, const scalar_t* __restrict__ y,
+                            const float* __restrict__ w, float* __restrict__ s,
+                            scalar_t* __restrict__ h, float* __restrict__ rstd, int64_t rows,
+                            int C, float eps) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t base = row * C;
+    float sum_sq = 0.f;
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float a[kVec], b[kVec];
+      LoadFloats<kVec>(x + base + c, a);
+      LoadFloats<kVec>(y + base + c, b);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        a[k] += b[k];
+        sum_sq += a[k] * a[k];
+      }
+      StoreFloats<kVec>(s + base + c, a);
+    }
+    const float r = rsqrtf(WarpSum(sum_sq) / C + eps);
+    // Second pass over the row this warp just wrote (in L1/L2).
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float a[kVec], g[kVec];
+      LoadFloats<kVec>(s + base + c, a);
+      LoadFloats<kVec>(w + c, g);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) a[k] = a[k] * r * g[k];
+      StoreFloats<kVec>(h + base + c, a);
+    }
+    if (lane == 0) rstd[row] = r;
+  }
+}
+
+// With s_hat = s * rstd and u = dh * w: ds = ds_in + rstd * (u - s_hat * mean(u * s_hat));
+// dw = sum over rows of dh * s_hat (per CTA into dw_partial[blockIdx.x]).
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    AddRmsNormBackwardKernel(const float* __restrict__ ds_in, const scalar_t* __restrict__ dh,
+                             const float* __restrict__ s, const float* __restrict__ rstd,
+                             const float* __restrict__ w, float* __restrict__ ds,
+                             scalar_t* __restrict__ dy, float* __restrict__ dw_partial,
+                             int64_t rows, int C) {
+  // One row of weight-gradient sums per warp: each (warp, channel) has one writer, no atomics.
+  extern __shared__ float dw_smem[];
+  for (int c = threadIdx.x; c < kWarps * C; c += kThreads) dw_smem[c] = 0.f;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  float* dw_warp = dw_smem + (threadIdx.x / 32) * C;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t base = row * C;
+    const float r = rstd[row];
+    float dot = 0.f;
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float g[kVec], a[kVec], wt[kVec];
+      LoadFloats<kVec>(dh + base + c, g);
+      LoadFloats<kVec>(s + base + c, a);
+      LoadFloats<kVec>(w + c, wt);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float s_hat = a[k] * r;
+        dot += g[k] * wt[k] * s_hat;
+        dw_warp[c + k] += g[k] * s_hat;
+      }
+    }
+    const float mean_dot = WarpSum(dot) / C;
+    for (int c = lane * kVec; c < C; c += 32 * kVec) {
+      float g[kVec], a[kVec], wt[kVec], d[kVec];
+      LoadFloats<kVec>(dh + base + c, g);
+      LoadFloats<kVec>(s + base + c, a);
+      LoadFloats<kVec>(w + c, wt);
+      if (ds_in != nullptr) {
+        LoadFloats<kVec>(ds_in + base + c, d);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) d[k] = 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) d[k] += r * (g[k] * wt[k] - a[k] * r * mean_dot);
+      StoreFloats<kVec>(ds + base + c, d);
+      StoreFloats<kVec>(dy + base + c, d);
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += kThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int warp = 0; warp < kWarps; ++warp) sum += dw_smem[warp * C + c];
+    dw_partial[static_cast<int64_t>(blockIdx.x) * C + c] = sum;
+  }
+}
+
+void CheckRows(const at::Tensor& t, const char* name, int64_t C) {
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.size(-1) == C, name,
+              " must be a contiguous CUDA tensor [.., ", C, "], got ", t.sizes());
+}
+
+// 4 channels per access when C and every pointer allow it, else 1.
+bool RowsTakeVectors(int64_t C, std::initializer_list<const at::Tensor*> ts) {
+  bool ok = C % 4 == 0;
+  for (const auto* t : ts) {
+    ok = ok && reinterpret_cast<uintptr_t>(t->data_ptr()) % (4 * t->element_size()) == 0;
+  }
+  return ok;
+}
+
+int RowCtas(int64_t rows) {
+  // Backward: few enough CTAs that the per-CTA weight partials stay small, enough to fill
+  // the GPU.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((rows + kWarps - 1) / kWarps, 4 * sms)));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tensor& x,
+                                                                 const at::Tensor& y,
+                                                                 const at::Tensor& weight,
+                                                                 double eps) {
+  const int64_t C = weight.numel();
+  CheckRows(x, "x", C);
+  CheckRows(y, "y", C);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "add+rms_norm takes a float32 residual and weight");
+  TORCH_CHECK(x.sizes() == y.sizes(), "add+rms_norm: x ", x.sizes(), " and y ", y.sizes());
+  const int64_t rows = C == 0 ? 0 : x.numel() / C;
+  auto s = at::empty_like(x);
+  auto h = at::empty_like(y);
+  auto rstd = at::empty({rows}, x.options());
+  if (rows == 0) return {s, h, rstd};
+  const auto w = weight.contiguous();
+  NSA_DISPATCH_TYPES(y.scalar_type(), "nsa_add_rms_norm_forward", [&] {
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>((rows + kWarps - 1) / kWarps, 1 << 16)));
+    auto launch = [&](auto kernel) {
+      Launch(kernel, grid, 0, x.data_ptr<float>(), y.data_ptr<scalar_t>(), w.data_ptr<float>(),
+             s.data_ptr<float>(), h.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows,
+             static_cast<int>(C), static_cast<float>(eps));
+    };
+    if (RowsTakeVectors(C, {&x, &y, &w, &s, &h})) {
+      launch(AddRmsNormForwardKernel<scalar_t, 4>);
+    } else {
+      launch(AddRmsNormForwardKernel<scalar_t, 1>);
+    }
+  });
+  return {s, h, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
+    const at::Tensor& ds_in, const at::Tensor& dh_in, const at::Tensor& s, const at::Tensor& rstd,
+    const at::Tensor& weight) {
+  const int64_t C = weight.numel();
+  TORCH_CHECK(C <= kAddRmsNormMaxChannels, "add+rms_norm takes at most ", kAddRmsNormMaxChannels,
+              " channels, got ", C);
+  CheckRows(s, "s", C);
+  const auto dh = dh_in.contiguous();
+  CheckRows(dh, "dh", C);
+  const bool has_ds = ds_in.defined();
+  const auto ds_prev = has_ds ? ds_in.to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t rows = C == 0 ? 0 : s.numel() / C;
+  auto ds = at::empty_like(s);
+  auto dy = at::empty_like(dh);
+  const int ctas = RowCtas(rows);
+  auto dw_partial = at::empty({ctas, C}, s.options());
+  if (rows == 0) return {ds, dy, at::zeros_like(weight)};
+  const auto w = weight.contiguous();
+  NSA_DISPATCH_TYPES(dh.scalar_type(), "nsa_add_rms_norm_backward", [&] {
+    auto launch = [&](auto kernel) {
+      Launch(kernel, dim3(ctas), kWarps * C * sizeof(float), has_ds ? ds_prev.data_ptr<float>() : nullptr,
+             dh.data_ptr<scalar_t>(), s.data_ptr<float>(), rstd.data_ptr<float>(),
+             w.data_ptr<float>(), ds.data_ptr<float>(), dy.data_ptr<scalar_t>(),
+             dw_partial.data_ptr<float>(), rows, static_cast<int>(C));
+    };
+    std::initializer_list<const at::Tensor*> ts = {&dh, &s, &w, &ds, &dy};
+    if (RowsTakeVectors(C, ts) && (!has_ds || RowsTakeVectors(C, {&ds_prev}))) {
+      launch(AddRmsNormBackwardKernel<scalar_t, 4>);
+    } else {
+      launch(AddRmsNormBackwardKernel<scalar_t, 1>);
+    }
+  });
+  return {ds, dy, dw_partial.sum(0)};
+}
+
+}  // namespace nsad::nsa::cuda::detail
