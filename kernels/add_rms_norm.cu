@@ -109,12 +109,7 @@ __global__ void __launch_bounds__(kThreads)
       LoadFloats<kVec>(dh + base + c, g);
       LoadFloats<kVec>(s + base + c, a);
       LoadFloats<kVec>(w + c, wt);
-      if (ds_in != nullptr) {
-        LoadFloats<kVec>(ds_in + base + c, d);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) d[k] = 0.f;
-      }
+      LoadFloats<kVec>(ds_in + base + c, d);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) d[k] += r * (g[k] * wt[k] - a[k] * r * mean_dot);
       StoreFloats<kVec>(ds + base + c, d);
@@ -138,9 +133,7 @@ void CheckRows(const at::Tensor& t, const char* name, int64_t C) {
 // 4 channels per access when C and every pointer allow it, else 1.
 bool RowsTakeVectors(int64_t C, std::initializer_list<const at::Tensor*> ts) {
   bool ok = C % 4 == 0;
-  for (const auto* t : ts) {
-    ok = ok && reinterpret_cast<uintptr_t>(t->data_ptr()) % (4 * t->element_size()) == 0;
-  }
+  for (const auto* t : ts) ok = ok && AlignedFor(*t, 4);
   return ok;
 }
 
@@ -194,24 +187,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
   CheckRows(s, "s", C);
   const auto dh = dh_in.contiguous();
   CheckRows(dh, "dh", C);
-  const bool has_ds = ds_in.defined();
-  const auto ds_prev = has_ds ? ds_in.to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(ds_in.defined() && ds_in.sizes() == s.sizes(),
+              "add+rms_norm backward needs the gradient of s, shaped like s");
+  const auto ds_prev = ds_in.to(at::kFloat).contiguous();
   const int64_t rows = C == 0 ? 0 : s.numel() / C;
   auto ds = at::empty_like(s);
   auto dy = at::empty_like(dh);
+  if (rows == 0) return {ds, dy, at::zeros_like(weight)};
   const int ctas = RowCtas(rows);
   auto dw_partial = at::empty({ctas, C}, s.options());
-  if (rows == 0) return {ds, dy, at::zeros_like(weight)};
   const auto w = weight.contiguous();
   NSA_DISPATCH_TYPES(dh.scalar_type(), "nsa_add_rms_norm_backward", [&] {
     auto launch = [&](auto kernel) {
-      Launch(kernel, dim3(ctas), kWarps * C * sizeof(float), has_ds ? ds_prev.data_ptr<float>() : nullptr,
+      Launch(kernel, dim3(ctas), kWarps * C * sizeof(float), ds_prev.data_ptr<float>(),
              dh.data_ptr<scalar_t>(), s.data_ptr<float>(), rstd.data_ptr<float>(),
              w.data_ptr<float>(), ds.data_ptr<float>(), dy.data_ptr<scalar_t>(),
              dw_partial.data_ptr<float>(), rows, static_cast<int>(C));
     };
-    std::initializer_list<const at::Tensor*> ts = {&dh, &s, &w, &ds, &dy};
-    if (RowsTakeVectors(C, ts) && (!has_ds || RowsTakeVectors(C, {&ds_prev}))) {
+    if (RowsTakeVectors(C, {&ds_prev, &dh, &s, &w, &ds, &dy})) {
       launch(AddRmsNormBackwardKernel<scalar_t, 4>);
     } else {
       launch(AddRmsNormBackwardKernel<scalar_t, 1>);

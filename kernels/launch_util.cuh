@@ -34,10 +34,13 @@ inline dim3 GridStride(int64_t items) {
   return dim3(static_cast<unsigned>(std::max<int64_t>(ctas, 1)));
 }
 
-// Whether p is aligned for Packed<T, N> accesses.
+// Whether p (or t's data) is aligned for Packed<T, N> accesses.
 template <typename T>
 bool AlignedFor(const T* p, int n) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * n) == 0;
+}
+inline bool AlignedFor(const at::Tensor& t, int n) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % (t.element_size() * n) == 0;
 }
 
 inline void CheckInput(const at::Tensor& t, const char* name, int64_t dims) {

@@ -67,69 +67,67 @@ __device__ __forceinline__ void LoadAngles(const float* __restrict__ cos, const 
   }
 }
 
+// One chunk of part r.p: src -> dst, rotated by position r.t's angle times `direction`
+// when the part's bit is set, else copied. direction +1 is the forward (y1 = x1 c - x2 s,
+// y2 = x1 s + x2 c); -1 the backward, whose gradient is the inverse rotation
+// (dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s). Negating s is exact, so both round as the
+// reference's products and sums do.
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ void RotateOrCopyChunk(const scalar_t* src, scalar_t* dst,
+                                                  const float* __restrict__ cos,
+                                                  const float* __restrict__ sin,
+                                                  const RowChunk& r, const RopeGeometry& g,
+                                                  float direction) {
+  using Vec = Packed<scalar_t, kVec>;
+  const Vec a = *reinterpret_cast<const Vec*>(src + r.j0);
+  const Vec b = *reinterpret_cast<const Vec*>(src + r.j0 + g.half);
+  if (!((g.rotate_mask >> r.p) & 1u)) {
+    *reinterpret_cast<Vec*>(dst + r.j0) = a;
+    *reinterpret_cast<Vec*>(dst + r.j0 + g.half) = b;
+    return;
+  }
+  float c[kVec], s[kVec];
+  LoadAngles<kVec>(cos, sin, r.t, r.j0, g.half, c, s);
+  Vec y1, y2;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const float x1 = static_cast<float>(a.v[k]), x2 = static_cast<float>(b.v[k]);
+    const float sk = direction * s[k];
+    y1.v[k] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(x1, c[k]), __fmul_rn(x2, sk)));
+    y2.v[k] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(x1, sk), __fmul_rn(x2, c[k])));
+  }
+  *reinterpret_cast<Vec*>(dst + r.j0) = y1;
+  *reinterpret_cast<Vec*>(dst + r.j0 + g.half) = y2;
+}
+
+// x (strided) -> the parts' contiguous outputs.
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     RopeForwardKernel(const scalar_t* __restrict__ x, PartPtrs<scalar_t> out,
                       const float* __restrict__ cos, const float* __restrict__ sin,
                       RopeGeometry g, uint32_t items) {
-  using Vec = Packed<scalar_t, kVec>;
   const uint32_t step = gridDim.x * kThreads;
   for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
     const RowChunk r = SplitChunk<kVec>(i, g);
     const scalar_t* in = x + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
     scalar_t* o = out.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    const Vec a = *reinterpret_cast<const Vec*>(in + r.j0);
-    const Vec b = *reinterpret_cast<const Vec*>(in + r.j0 + g.half);
-    if (!((g.rotate_mask >> r.p) & 1u)) {
-      *reinterpret_cast<Vec*>(o + r.j0) = a;
-      *reinterpret_cast<Vec*>(o + r.j0 + g.half) = b;
-      continue;
-    }
-    float c[kVec], s[kVec];
-    LoadAngles<kVec>(cos, sin, r.t, r.j0, g.half, c, s);
-    Vec y1, y2;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float x1 = static_cast<float>(a.v[k]), x2 = static_cast<float>(b.v[k]);
-      y1.v[k] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(x1, c[k]), __fmul_rn(x2, s[k])));
-      y2.v[k] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(x1, s[k]), __fmul_rn(x2, c[k])));
-    }
-    *reinterpret_cast<Vec*>(o + r.j0) = y1;
-    *reinterpret_cast<Vec*>(o + r.j0 + g.half) = y2;
+    RotateOrCopyChunk<scalar_t, kVec>(in, o, cos, sin, r, g, 1.f);
   }
 }
 
-// y1 = x1 c - x2 s, y2 = x1 s + x2 c  =>  dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s.
+// The parts' gradients -> dx [B,T,P,M,D] contiguous.
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     RopeBackwardKernel(PartPtrs<const scalar_t> grads, scalar_t* __restrict__ dx,
                        const float* __restrict__ cos, const float* __restrict__ sin,
                        RopeGeometry g, uint32_t items) {
-  using Vec = Packed<scalar_t, kVec>;
   const uint32_t step = gridDim.x * kThreads;
   for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
     const RowChunk r = SplitChunk<kVec>(i, g);
     const scalar_t* gp =
         grads.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    scalar_t* o = dx + static_cast<int64_t>(r.row) * (2 * g.half);  // dx: [B,T,P,M,D] contiguous
-    const Vec a = *reinterpret_cast<const Vec*>(gp + r.j0);
-    const Vec b = *reinterpret_cast<const Vec*>(gp + r.j0 + g.half);
-    if (!((g.rotate_mask >> r.p) & 1u)) {
-      *reinterpret_cast<Vec*>(o + r.j0) = a;
-      *reinterpret_cast<Vec*>(o + r.j0 + g.half) = b;
-      continue;
-    }
-    float c[kVec], s[kVec];
-    LoadAngles<kVec>(cos, sin, r.t, r.j0, g.half, c, s);
-    Vec d1, d2;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float g1 = static_cast<float>(a.v[k]), g2 = static_cast<float>(b.v[k]);
-      d1.v[k] = static_cast<scalar_t>(__fadd_rn(__fmul_rn(g1, c[k]), __fmul_rn(g2, s[k])));
-      d2.v[k] = static_cast<scalar_t>(__fsub_rn(__fmul_rn(g2, c[k]), __fmul_rn(g1, s[k])));
-    }
-    *reinterpret_cast<Vec*>(o + r.j0) = d1;
-    *reinterpret_cast<Vec*>(o + r.j0 + g.half) = d2;
+    RotateOrCopyChunk<scalar_t, kVec>(gp, dx + static_cast<int64_t>(r.row) * (2 * g.half), cos,
+                                      sin, r, g, -1.f);
   }
 }
 
