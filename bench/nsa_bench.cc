@@ -5,14 +5,15 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
-//             [--slc-qpc N] [--cmp-kernel auto|registers]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--cmp-kernel auto|registers]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
 // (the union a query-tile kernel would stage), to size the selected kernels' work split.
 //
-// --slc-fwd / --slc-dkdv / --slc-qpc force the selected branch's forward/dQ kernel, dK/dV
-// kernel (staged register budgets rows x CTAs per SM are D=64 builds) and queries per dK/dV
+// --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc force the selected branch's forward/dQ kernel,
+// dK/dV kernel (staged register budgets rows x CTAs per SM are D=64 builds), where dQ comes
+// from (the query-side kernel, or fused into dK/dV: a D=64 build) and queries per dK/dV
 // work item (0 = auto) through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
 // in one binary; --cmp-kernel registers forces the compressed branch's register-only kernels
 // (CompressedKernelChoice). The default is the dispatch training uses. Choices print first.
@@ -62,6 +63,8 @@ constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
     {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
     {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
     {"unstaged", Choice::DkDv::kUnstaged}};
+constexpr std::pair<const char*, Choice::Dq> kDqNames[] = {
+    {"auto", Choice::Dq::kAuto}, {"query", Choice::Dq::kQuerySide}, {"fused", Choice::Dq::kFused}};
 using CmpChoice = nsad::nsa::cuda::detail::CompressedKernelChoice;
 constexpr std::pair<const char*, CmpChoice::Path> kCmpNames[] = {
     {"auto", CmpChoice::Path::kAuto}, {"registers", CmpChoice::Path::kRegisters}};
@@ -279,13 +282,19 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--slc-dkdv takes auto|staged16x3|staged32x1|staged32x3|unstaged\n");
         return 2;
       }
+    } else if (a == "--slc-dq") {
+      if (!FromName(kDqNames, argv[i + 1], choice.dq)) {
+        std::fprintf(stderr, "--slc-dq takes auto|query|fused\n");
+        return 2;
+      }
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
-  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged;
+  const bool d64_build = (choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged) ||
+                         choice.dq == Choice::Dq::kFused;
   if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
-    std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n",
-                 NameOf(kDkDvNames, choice.dkdv));
+    std::fprintf(stderr, "--slc-dkdv %s / --slc-dq %s is a D=64 build: run it with --dims 64\n",
+                 NameOf(kDkDvNames, choice.dkdv), NameOf(kDqNames, choice.dq));
     return 2;
   }
   if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
@@ -297,8 +306,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
-  std::printf("# selected kernels: fwd %s, dkdv %s, queries per dkdv item %d%s\n",
-              NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), choice.queries_per_item,
+  std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, queries per dkdv item %d%s\n",
+              NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), NameOf(kDqNames, choice.dq),
+              choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));

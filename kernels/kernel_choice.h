@@ -1,7 +1,7 @@
 // Which selected-attention (kernels/selected_attention.cu) and compressed-attention
 // (kernels/compressed_attention.cu) kernels run: process-wide choices for tests and
 // benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
-// --slc-dkdv / --slc-qpc / --cmp-kernel compares them in one binary. Nothing else sets them,
+// --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel compares them in one binary. Nothing else sets them,
 // so training runs the default: everything kAuto, the dispatch measured in
 // docs/PERFORMANCE.md. There is no environment switch: a forced choice is visible in the code
 // that sets it.
@@ -25,8 +25,14 @@ struct SelectedKernelChoice {
   // unstaged mma::DkDvMmaKernel (any D). fp32 inputs take kAuto only.
   enum class DkDv { kAuto, kStaged16x3, kStaged32x1, kStaged32x3, kUnstaged };
 
+  // Where dQ comes from: the query-side kernel of Fwd (kQuerySide), or the staged dK/dV
+  // kernel, which has dS in registers already and adds dS K into a float32 buffer (kFused;
+  // bf16/fp16, D=64 builds, any staged DkDv budget). kAuto: the measured default.
+  enum class Dq { kAuto, kQuerySide, kFused };
+
   Fwd fwd = Fwd::kAuto;
   DkDv dkdv = DkDv::kAuto;
+  Dq dq = Dq::kAuto;
   // Queries per dK/dV work item (every dtype): 0 is the measured default (128), else 1..512
   // (the staged kernel keeps the item's positions in shared memory).
   int queries_per_item = 0;

@@ -19,7 +19,10 @@
 // the block in registers, its query rows staged in shared memory with cp.async one step
 // ahead (SelectedDkDvStagedKernel). Block 0 and the local blocks are chosen by every query,
 // so a block can have up to T queries; slicing the lists keeps the grid balanced at the
-// price of one float32 atomic add per key element per slice (not per query).
+// price of one float32 atomic add per key element per slice (not per query). For D=64 and
+// groups of fewer than 16 heads, that kernel also produces dQ (fused, as FlashAttention's
+// backward does): it holds dS already, and the query-side dQ kernel would recompute S, P,
+// dP and dS; the CTA adds its dQ rows into a float32 buffer once per (row, block).
 //
 // Tests and benchmarks force a forward/dQ kernel, a dK/dV kernel or register budget, and the
 // queries per dK/dV work item through SelectedKernelChoice (kernel_choice.h), read once per
@@ -54,6 +57,10 @@ namespace {
 
 constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
 constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
+// Staged dK/dV builds the auto choice takes at D=64 (see LaunchSelectedDkDv): without and
+// with fused dQ (measured on H100, PERFORMANCE.md).
+constexpr SelectedKernelChoice::DkDv kDefaultDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;
+constexpr SelectedKernelChoice::DkDv kDefaultFusedDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;
 
 using Choice = SelectedKernelChoice;
 
@@ -73,6 +80,13 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
               "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
               " takes kAuto or kUnstaged");
+  if (c.dq == Choice::Dq::kFused) {
+    TORCH_CHECK(q.scalar_type() != at::kFloat, "SelectedKernelChoice: fused dQ is a tensor-core kernel; fp32 "
+                "inputs run the scalar kernels");
+    TORCH_CHECK(s.D == 64, "SelectedKernelChoice: fused dQ is a D=64 build, got D=", s.D);
+    TORCH_CHECK(c.dkdv != Choice::DkDv::kUnstaged,
+                "SelectedKernelChoice: fused dQ runs in the staged dK/dV kernel, not kUnstaged");
+  }
   return c;
 }
 
@@ -388,16 +402,106 @@ __device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t
   for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
 }
 
+// With kFusedDq (D=64 builds) the same kernel also produces dQ, as FlashAttention's
+// backward does: dS is already in registers, so dQ += dS K costs one more product per step
+// instead of a second kernel (the query-side dQ kernel recomputes S, P, dP and dS). dQ of a
+// row sums over all 64 keys of the block, which the four warps hold 16 each; rather than
+// reducing four partial dQ tiles (measured: a shared-memory round trip of 4 x kR x 64
+// floats per step), the warps exchange dS (kR x 64 bf16) and each computes dQ for 16 of the
+// 64 columns over all keys. Its K columns are B fragments loaded once per work item. Each
+// lane adds 4 contiguous columns per row into the float32 dq_acc with one 16-byte atomic: a
+// query row receives one add per selected block, never one per key.
+constexpr int kFusedDqCols = 16;  // dQ columns per warp: D = 64 over the 4 warps
+
+// The warp's K columns as B fragments of dS K (keys contracted): kt[kk][half][mi] covers keys
+// 16 kk + 8 half + (2c, 2c+1) of the block and output columns cols(w) + 4 c + 2 mi + (0, 1)
+// of lane (g, c), cols(w) = 32 (w / 2) + 4 (w % 2) (so a lane's 4 outputs per row are
+// contiguous). Keys past `count` are zero.
+template <typename scalar_t>
+__device__ __forceinline__ void LoadDqKeyFragments(uint32_t (&kt)[4][2][2], const scalar_t* k, const Shape& s,
+                                                   const KeyWork& w, int warp, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = 16 * kk + 8 * half + g;
+      uint2 words = make_uint2(0, 0);  // columns 32 i + 8 c + 4 (w % 2) + 0..3 of this key row
+      if (key < w.keys.count) {
+        words = *reinterpret_cast<const uint2*>(k + KeyOffset(s, w.b, w.keys.start + key, w.g) +
+                                                32 * (warp >> 1) + 8 * c + 4 * (warp & 1));
+      }
+      kt[kk][half][0] = mma::Transpose(words.x);
+      kt[kk][half][1] = mma::Transpose(words.y);
+    }
+  }
+}
+
+// Writes the warp's dS (keys 16 w .. 16 w + 15 of every staged row) as bf16/fp16 into the
+// CTA's [kR rows][64 keys] tile (swizzled 16-byte chunks, as the ldmatrix reads expect).
+// dS^T is held in C-fragment layout (keys x rows); movmatrix turns each 8x8 piece into rows.
+template <bool kBf16, int kR>
+__device__ __forceinline__ void StoreDsRows(unsigned char* ds_tile, const float (&ds_t)[kR / 8][4], int warp,
+                                            int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kR / 8; ++j) {
+    const int row = 8 * j + g;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // keys 16 w + 8 half + 2c, +1
+      const uint32_t v = mma::Transpose(mma::Pack<kBf16>(ds_t[j][2 * half], ds_t[j][2 * half + 1]));
+      *reinterpret_cast<uint32_t*>(ds_tile + mma::SwizzledOffset<64>(row, 2 * warp + half) + 4 * c) = v;
+    }
+  }
+}
+
+// dQ of the step's rows for the warp's 16 columns, dS (from the tile) times K, added into
+// dq_acc rows times `scale`. meta[r].z holds staged row r's position as float bits (-1 past
+// the end).
+template <bool kBf16, int kR>
+__device__ __forceinline__ void AddDqColumns(float* __restrict__ dq_acc, const unsigned char* ds_tile,
+                                             const uint32_t (&kt)[4][2][2], const float4 (&meta)[kR],
+                                             const Shape& s, const KeyWork& w, int r0, float scale, int warp,
+                                             int lane) {
+  const int g = lane >> 2, c = lane & 3, hq = s.hq();
+  const uint32_t tile = mma::SmemAddr(ds_tile);
+#pragma unroll
+  for (int p = 0; p < kR / 16; ++p) {
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // ldmatrix.x4: lanes 8m .. 8m + 7 address matrix m = (rows +8 if m odd, keys +8 if m >= 2).
+      const int mtx = lane >> 3, row = 16 * p + (lane & 7) + 8 * (mtx & 1);
+      uint32_t a[4];
+      mma::LdMatrixX4(a, tile + mma::SwizzledOffset<64>(row, 2 * kk + (mtx >> 1)));
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) mma::Mma<kBf16>(acc[mi], a[0], a[1], a[2], a[3], kt[kk][0][mi], kt[kk][1][mi]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * p + g + 8 * h;
+      const int t = __float_as_int(meta[row].z);
+      if (t < 0) continue;
+      const int64_t off = QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) + 32 * (warp >> 1) + 8 * c +
+                          4 * (warp & 1);
+      atomicAdd(reinterpret_cast<float4*>(dq_acc + off),
+                make_float4(acc[0][2 * h] * scale, acc[0][2 * h + 1] * scale, acc[1][2 * h] * scale,
+                            acc[1][2 * h + 1] * scale));
+    }
+  }
+}
+
 // kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
 // Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 2 at D=128 (more would spill
 // heavily); SelectedKernelChoice::DkDv (kernel_choice.h) forces another D=64 build (A/B).
-template <typename scalar_t, int D, int kR, int kMinCtas>
+// kFusedDq (D=64 builds only): dq_acc receives dQ as well, see above.
+template <typename scalar_t, int D, int kR, int kMinCtas, bool kFusedDq>
 __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                              const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta,
-                             float* __restrict__ dk_acc, float* __restrict__ dv_acc, Shape s,
-                             SelectedKeyPolicy pol, float scale) {
+                             float* __restrict__ dk_acc, float* __restrict__ dv_acc,
+                             float* __restrict__ dq_acc, Shape s, SelectedKeyPolicy pol, float scale) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   __shared__ int pos[kMaxQueriesPerCta];
@@ -458,6 +562,17 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
   }
+  // Fused dQ: this warp's K columns as B fragments, and the step's dS rows in shared memory.
+  static_assert(!kFusedDq || D == 4 * kFusedDqCols, "fused dQ: 16 columns per warp");
+  __shared__ alignas(128) unsigned char ds_tile[kFusedDq ? kR * 64 * 2 : 16];
+  uint32_t kt[4][2][2];
+  if constexpr (kFusedDq) {
+    LoadDqKeyFragments(kt, k, s, w, warp, lane);
+    // Idle warps (keys past the block's end) never write their dS columns: zeros, ordered
+    // before the first step's writes by that step's barrier.
+    for (int i = threadIdx.x; i < kR * 64 * 2 / 16; i += mma::kMmaThreads)
+      reinterpret_cast<uint4*>(ds_tile)[i] = make_uint4(0, 0, 0, 0);
+  }
 
   stage(0, 0);
   for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
@@ -496,6 +611,11 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
       }
       mma::PRTile<kBf16, D, kR>(dv, st, dr);
       mma::PRTile<kBf16, D, kR>(dk, dpt, qr);
+      if constexpr (kFusedDq) StoreDsRows<kBf16, kR>(ds_tile, dpt, warp, lane);
+    }
+    if constexpr (kFusedDq) {
+      __syncthreads();  // the step's dS rows are complete (idle warps' keys stay zero)
+      AddDqColumns<kBf16, kR>(dq_acc, ds_tile, kt, meta[buf], s, w, r0, scale, warp, lane);
     }
     __syncthreads();
   }
@@ -507,6 +627,67 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     mma::AtomicAddRow<D>(dk_acc + off, dk, half, scale, lane);
     mma::AtomicAddRow<D>(dv_acc + off, dv, half, 1.f, lane);
   }
+}
+
+// Whether dQ comes from the dK/dV kernel (SelectedDkDvStagedKernel<..., true>). ChoiceFor
+// already rejected a forced fused dQ that cannot run (fp32, D != 64, unstaged dK/dV).
+// Auto: fused for groups of fewer than 16 heads. Measured on H100 (selected backward alone,
+// D=64, nsa_bench --slc-only): 12:2 at B16 T2048 2.19 -> 1.70 ms, at 64k 7.15 -> 5.02 ms
+// (the per-position dQ kernel pads 6 heads to 16 MMA rows there); 64:4 at 64k 20.4 -> 26.4
+// ms (16 heads fill the rows, and the fused kernel's dQ atomics, 3.3 ms of it, cost more).
+bool UseFusedDq(const Choice& c, const at::Tensor& q, const Shape& s) {
+  if (c.dq == Choice::Dq::kFused) return true;
+  if (c.dq == Choice::Dq::kQuerySide) return false;
+  return q.scalar_type() != at::kFloat && s.D == 64 && c.dkdv != Choice::DkDv::kUnstaged && s.hq() < 16;
+}
+
+// The staged kernel's build: a forced choice, else the measured default (D=64: 32 rows per
+// step on a 3-CTA-per-SM register budget, 168 registers and 28 bytes of spill, measured 3-17%
+// faster than 2 CTAs per SM on H100, and with fused dQ too: 1.70 ms against 1.86 (16x3) and
+// 1.89 (32x1) at B16 T2048 12:2; D=128: 16 rows, one CTA's budget). Fused dQ (dq_acc given)
+// exists in the D=64 builds.
+template <typename scalar_t, int D>
+void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                        const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dk_acc, at::Tensor& dv_acc,
+                        at::Tensor* dq_acc, const Shape& s, const SelectedKeyPolicy& kpol, float scale,
+                        const Choice& choice, dim3 kgrid) {
+  using DkDv = Choice::DkDv;
+  using Kernel = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const scalar_t*, const float*,
+                          const float*, float*, float*, float*, Shape, SelectedKeyPolicy, float);
+  Kernel kernel = nullptr;
+  if (choice.dkdv == DkDv::kUnstaged) {
+    TORCH_CHECK(dq_acc == nullptr, "fused dQ needs a staged dK/dV kernel");  // ChoiceFor rejects it
+    mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy><<<kgrid, mma::kMmaThreads, 0,
+                                                         at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
+        lse.data_ptr<float>(), delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s,
+        kpol, scale);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if constexpr (D == 64) {
+    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : dq_acc ? kDefaultFusedDkDv64 : kDefaultDkDv64;
+    const auto pick = [&](auto rows, auto ctas) {
+      constexpr int kR = decltype(rows)::value, kC = decltype(ctas)::value;
+      if (dq_acc) {
+        kernel = SelectedDkDvStagedKernel<scalar_t, D, kR, kC, true>;
+      } else {
+        kernel = SelectedDkDvStagedKernel<scalar_t, D, kR, kC, false>;
+      }
+    };
+    if (build == DkDv::kStaged16x3) pick(std::integral_constant<int, 16>{}, std::integral_constant<int, 3>{});
+    if (build == DkDv::kStaged32x1) pick(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
+    if (build == DkDv::kStaged32x3) pick(std::integral_constant<int, 32>{}, std::integral_constant<int, 3>{});
+  } else {
+    TORCH_CHECK(dq_acc == nullptr, "fused dQ is a D=64 build");  // ChoiceFor rejects it
+    kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 1, false>;
+  }
+  TORCH_CHECK(kernel != nullptr, "no staged dK/dV build for this choice");
+  kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
+      lse.data_ptr<float>(), delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(),
+      dq_acc ? dq_acc->data_ptr<float>() : nullptr, s, kpol, scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -567,7 +748,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
-  auto dq = at::empty_like(q);
+  const bool fused_dq = UseFusedDq(choice, q, s);
+  // Fused: float32 sums of every block's dQ rows, rounded to q's type at the end.
+  auto dq_acc = fused_dq ? at::zeros(q.sizes(), q.options().dtype(at::kFloat)) : at::Tensor();
+  auto dq = fused_dq ? at::Tensor() : at::empty_like(q);
   auto dk_acc = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
   auto dv_acc = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
 
@@ -603,8 +787,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g,
-                                                  choice);
+        if (!fused_dq) {
+          LaunchSelectedQueryMma<scalar_t, D, true>(q, k, v, &dout, &delta, dq, lse, s, block_idx, g,
+                                                    choice);
+        }
       } else {
         Launch(AttnDqKernel<scalar_t, D, SelectedQueryPolicy>, dim3(s.T, s.G, s.B),
                DqSmemFloats(rows, D) * sizeof(float), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
@@ -614,21 +800,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       if (S > 0) {
         const dim3 kgrid(static_cast<unsigned>(max_items));
         if constexpr (!std::is_same_v<scalar_t, float>) {
-          // D=64: 32 rows per step on a 3-CTA-per-SM register budget (168 registers, 28 bytes
-          // of spill) measured 3-17% faster than 2 CTAs per SM (200 registers) on H100.
-          auto kernel = SelectedDkDvStagedKernel<scalar_t, D, D == 64 ? 32 : 16, D == 64 ? 3 : 1>;
-          using DkDv = Choice::DkDv;
-          if constexpr (D == 64) {  // other D: ChoiceFor let only kAuto and kUnstaged through
-            if (choice.dkdv == DkDv::kStaged16x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 3>;
-            if (choice.dkdv == DkDv::kStaged32x1) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 1>;
-            if (choice.dkdv == DkDv::kStaged32x3) kernel = SelectedDkDvStagedKernel<scalar_t, D, 32, 3>;
-          }
-          if (choice.dkdv == DkDv::kUnstaged) kernel = mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy>;
-          kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                  dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                  dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(), s, kpol, scale);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          LaunchSelectedDkDv<scalar_t, D>(q, k, v, dout, lse, delta, dk_acc, dv_acc,
+                                          fused_dq ? &dq_acc : nullptr, s, kpol, scale, choice, kgrid);
         } else {
           Launch(AttnDkDvKernel<scalar_t, D, SelectedKeyPolicy>, kgrid, DkDvSmemFloats(D) * sizeof(float),
                  q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
@@ -638,6 +811,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       }
     });
   });
+  if (fused_dq) dq = dq_acc.to(q.scalar_type());
   return {dq, dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
 }
 

@@ -5,7 +5,8 @@
 # old ones forced by the same flags), and an ncu per-kernel breakdown of the selected branch
 # at the training shape.
 #   bench/scripts/sel_device.sh OUT_DIR   (BUILD_DIR, SKIP_MEMCHECK, FULL=0|1, NCU=0|1,
-#                                          VARIANTS='flags;flags;...' override the defaults)
+#                                          VARIANTS='flags;flags;...', NCU_FLAGS='nsa_bench flags'
+#                                          override the defaults)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$OUT}
@@ -20,7 +21,7 @@ IFS=';' read -ra variants <<< "${VARIANTS:-$old;;--slc-dkdv staged16x3;--slc-dkd
 for var in "${variants[@]}"; do
   echo "== slc-only [${var:-default}]"
   timeout 60 $nb --slc-only 1 --batch 16 --seqs 2048 --dims 64 --heads 12:2 --reps 10 --warmup 2 $var 2>&1 | tail -1
-  if [[ $var == *staged[0-9]* ]]; then  # D=64 builds
+  if [[ $var == *staged[0-9]* || $var == *fused* ]]; then  # D=64 builds
     timeout 90 $nb --slc-only 1 --seqs 65536 --dims 64 --heads 12:2,64:4 --reps 5 --warmup 1 $var 2>&1 | tail -2
   else
     timeout 90 $nb --slc-only 1 --seqs 65536 --dims 64,128 --heads 12:2,64:4 --reps 5 --warmup 1 $var 2>&1 | tail -4
@@ -36,6 +37,6 @@ fi
 if [ "${NCU:-1}" = 1 ]; then
 echo "== ncu B16 T2048 slc"
 timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-  $nb --slc-only 1 --batch 16 --seqs 2048 --dims 64 --heads 12:2 --reps 1 --warmup 0 > "$out/ncu.log" 2>&1
+  $nb --slc-only 1 --batch 16 --seqs 2048 --dims 64 --heads 12:2 --reps 1 --warmup 0 ${NCU_FLAGS:-} > "$out/ncu.log" 2>&1
 grep -A6 -E "^  void .*(Selected|DkDv|RowDot|Radix|search)" "$out/ncu.log" | grep -E "^  void|duration" | sed -E 's/\(const .*//; s/\(T[0-9].*//' | cut -c1-110
 fi

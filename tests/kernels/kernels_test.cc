@@ -140,20 +140,29 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
     Choice choice;
     bool tensor_cores_only, d64_only;
   };
-  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc) {
+  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc, Choice::Dq dq = Choice::Dq::kQuerySide) {
     Choice c;
     c.fwd = fwd;
     c.dkdv = dkdv;
     c.queries_per_item = qpc;
+    c.dq = dq;
     return c;
   };
+  using Dq = Choice::Dq;
   const std::vector<Path> paths = {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
       // Short slices: many work items per block, one atomic add per slice.
-      {"24 queries per dkdv item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24), false, false}};
+      {"24 queries per dkdv item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24), false, false},
+      // dQ from the dK/dV kernel, in each staged build (one and two 16-row pairs per step),
+      // and with short slices (a row's dQ then sums partials of several work items).
+      {"dq fused, staged 32x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x3, 0, Dq::kFused), true, true},
+      {"dq fused, staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0, Dq::kFused), true, true},
+      {"dq fused, staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0, Dq::kFused), true, true},
+      {"dq fused, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused), true,
+       true}};
   const Case c = GetParam();
   for (const Path& path : paths) {
     if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
@@ -176,6 +185,23 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   } else {
     choice.queries_per_item = 513;  // over the staged kernel's shared-memory positions
   }
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  const cuda::detail::ScopedSelectedKernelChoice force(choice);
+  EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
+}
+
+// Fused dQ lives in the staged D=64 tensor-core builds only: fp32, D=128 and the unstaged
+// dK/dV kernel refuse it instead of computing dQ elsewhere.
+TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableFusedDq) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const Case c = GetParam();
+  Choice choice;
+  choice.dq = Choice::Dq::kFused;
+  if (c.dtype != torch::kFloat && c.D == 64) choice.dkdv = Choice::DkDv::kUnstaged;
   const int64_t NS = NumSlcBlocks(c.T, geo_);
   const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
   const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
