@@ -26,6 +26,7 @@
 #include "kernel_choice.h"
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
+#include "smem_fwd_tile.cuh"
 
 namespace nsad::nsa::cuda::detail {
 
@@ -303,7 +304,6 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   int64_t row_index[kM][2];  // into [B,T,H]
   bool row_valid[kM][2];
   int row_vis[kM][2];
-  uint32_t qf[kM][kKs][4];  // A fragments of Q, standard m16n8k16 layout
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -314,16 +314,9 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
       row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
       row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
     }
-#pragma unroll
-    for (int ks = 0; ks < kKs; ++ks) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
-        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
-        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
-      }
-    }
   }
+  uint32_t qf[kM][kKs][4];  // A fragments of Q, standard m16n8k16 layout
+  smem_fwd::LoadQ<D, kM>(qf, q, row_index, row_valid, lane);
   // Keys every row of the CTA sees (no mask needed below it) and keys the last row sees.
   const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
   const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
@@ -341,7 +334,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   };
 
   // Forward state (unused by the importance pass; the compiler drops it there).
-  float o[kM][D / 8][4], m_run[kM][2], l_run[kM][2];
+  smem_fwd::State<D, kM> st;
   // Importance state: the lane's lse, W's B fragments (fp16), the staged X rows.
   float row_lse[kM][2];
   uint32_t wf[kN / 16][Cfg::kSbTiles][2];
@@ -349,13 +342,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
   int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
   if constexpr (!kImportance) {
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
-      m_run[m][0] = m_run[m][1] = -INFINITY;
-      l_run[m][0] = l_run[m][1] = 0.f;
-    }
+    st.Init();
   } else {
 #pragma unroll
     for (int m = 0; m < kM; ++m)
@@ -392,89 +379,12 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
     const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes;
     if (active) {
       float sc[kM][kNt][4];
-#pragma unroll
-      for (int m = 0; m < kM; ++m)
-#pragma unroll
-        for (int n = 0; n < kNt; ++n) sc[m][n][0] = sc[m][n][1] = sc[m][n][2] = sc[m][n][3] = 0.f;
-      // S = Q K^T: one ldmatrix.x4 gives keys 8n..8n+7 for two k16 steps.
-#pragma unroll
-      for (int n = 0; n < kNt; ++n) {
-#pragma unroll
-        for (int p = 0; p < D / 32; ++p) {
-          uint32_t kb[4];
-          mma::LdMatrixX4(kb, kbuf + mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3)));
-#pragma unroll
-          for (int m = 0; m < kM; ++m) {
-            const uint32_t(&a0)[4] = qf[m][2 * p];
-            const uint32_t(&a1)[4] = qf[m][2 * p + 1];
-            mma::Mma<kBf16>(sc[m][n], a0[0], a0[1], a0[2], a0[3], kb[0], kb[1]);
-            mma::Mma<kBf16>(sc[m][n], a1[0], a1[1], a1[2], a1[3], kb[2], kb[3]);
-          }
-        }
-      }
+      smem_fwd::Scores<kBf16, D, kM, kN>(sc, qf, kbuf, lane);
       const bool masked = key0 + kN > vis_min;  // CTA-uniform
       if constexpr (!kImportance) {
-#pragma unroll
-        for (int m = 0; m < kM; ++m) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < kNt; ++n) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = sc[m][n][2 * h + e];
-                x = (!masked || key0 + 8 * n + 2 * c + e < row_vis[m][h]) ? x * scale_log2 : -INFINITY;
-                mx = fmaxf(mx, x);
-              }
-            }
-            const float m_new = fmaxf(m_run[m][h], mma::QuadMax(mx));
-            const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
-            const float alpha = exp2f(m_run[m][h] - base);
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < kNt; ++n) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = sc[m][n][2 * h + e];
-                x = exp2f(x - base);
-                sum += x;
-              }
-            }
-            l_run[m][h] = l_run[m][h] * alpha + sum;
-            m_run[m][h] = m_new;
-#pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
-              o[m][i][2 * h] *= alpha;
-              o[m][i][2 * h + 1] *= alpha;
-            }
-          }
-        }
-        // O += P V: P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
-        // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).
-        const uint32_t vbuf = kbuf + Cfg::kTileBytes;
-#pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk) {
-          uint32_t a[kM][4];
-#pragma unroll
-          for (int m = 0; m < kM; ++m) {
-            a[m][0] = mma::Pack<kBf16>(sc[m][2 * kk][0], sc[m][2 * kk][1]);
-            a[m][1] = mma::Pack<kBf16>(sc[m][2 * kk][2], sc[m][2 * kk][3]);
-            a[m][2] = mma::Pack<kBf16>(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1]);
-            a[m][3] = mma::Pack<kBf16>(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3]);
-          }
-#pragma unroll
-          for (int p = 0; p < D / 16; ++p) {
-            uint32_t vb[4];
-            mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8),
-                                                                    2 * p + (lane >> 4)));
-#pragma unroll
-            for (int m = 0; m < kM; ++m) {
-              mma::Mma<kBf16>(o[m][2 * p], a[m][0], a[m][1], a[m][2], a[m][3], vb[0], vb[1]);
-              mma::Mma<kBf16>(o[m][2 * p + 1], a[m][0], a[m][1], a[m][2], a[m][3], vb[2], vb[3]);
-            }
-          }
-        }
+        smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(
+            st, sc, kbuf + Cfg::kTileBytes, scale_log2,
+            [&](int m, int h, int key) { return !masked || key0 + key < row_vis[m][h]; }, lane);
       } else {
         // P = exp2(S - lse), then X = P W into shared memory. P goes in as two fp16 parts
         // (P = hi + lo, lo the rounding residual), so X keeps ~fp32 accuracy.
@@ -552,22 +462,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
     }
   }
 
-  if constexpr (!kImportance) {
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float l = mma::QuadSum(l_run[m][h]);
-        if (!row_valid[m][h]) continue;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        uint32_t* orow = reinterpret_cast<uint32_t*>(out + row_index[m][h] * D);
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i)
-          orow[4 * i + c] = mma::Pack<kBf16>(o[m][i][2 * h] * inv, o[m][i][2 * h + 1] * inv);
-        if (c == 0) lse[row_index[m][h]] = l > 0.f ? m_run[m][h] + log2f(l) : INFINITY;
-      }
-    }
-  }
+  if constexpr (!kImportance) smem_fwd::Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
 }
 
 // dQ with shared-memory K/V tiles, the same CTA shape and staging as CmpSmemKernel's

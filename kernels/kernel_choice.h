@@ -18,8 +18,10 @@ namespace nsad::nsa::cuda::detail {
 struct SelectedKernelChoice {
   // Forward and dQ on tensor cores (bf16/fp16 inputs): per position, the group's heads as
   // the MMA rows (kHeads), or flattened (position, head) rows over the union of neighbours'
-  // blocks (kRows, needs top_n <= 32). fp32 inputs have one scalar kernel and take kAuto only.
-  enum class Fwd { kAuto, kRows, kHeads };
+  // blocks (kRows, needs top_n <= 32). kTiled: the forward over shared-memory tiles of the
+  // union of up to 32 positions' blocks (dQ then follows the auto rule). fp32 inputs have
+  // one scalar kernel and take kAuto only.
+  enum class Fwd { kAuto, kRows, kHeads, kTiled };
   // dK/dV on tensor cores: the staged kernel in one of its D=64 register budgets (rows per
   // step x CTAs per SM; kAuto picks 32x3 at D=64 and the single D=128 build, 16x1), or the
   // unstaged mma::DkDvMmaKernel (any D). fp32 inputs take kAuto only.

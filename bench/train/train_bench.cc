@@ -11,7 +11,7 @@
 // warm-up, then the median of timed steps with CUDA synchronisation around each step.
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
-//               [--profile N] [--slc-dq auto|query|fused]
+//               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -22,9 +22,10 @@
 // twice: as the host enqueues it and with a device synchronisation after it. A phase whose
 // two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
 // whose synchronised time is much larger is bound by the GPU.
-// --slc-dq forces where the selected branch's dQ comes from (kernels/kernel_choice.h: the
-// query-side kernel or fused into the dK/dV kernel), for A/B runs of the training step in
-// one invocation; auto (the default) is the dispatch training uses.
+// --slc-dq / --slc-fwd force where the selected branch's dQ comes from (the query-side
+// kernel or fused into the dK/dV kernel) and its forward kernel (kernels/kernel_choice.h),
+// for A/B runs of the training step in one invocation; auto (the default) is the dispatch
+// training uses.
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
 // plus the op count per step and any op that copies to the host (a sync).
@@ -374,21 +375,28 @@ int main(int argc, char** argv) {
       opt.fused_loss = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
-    } else if (flag == "--slc-dq") {
+    } else if (flag == "--slc-dq" || flag == "--slc-fwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
       using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
       Choice choice = nsad::nsa::cuda::detail::GetSelectedKernelChoice();
-      if (value == "auto") choice.dq = Choice::Dq::kAuto;
-      else if (value == "query") choice.dq = Choice::Dq::kQuerySide;
-      else if (value == "fused") choice.dq = Choice::Dq::kFused;
-      else {
-        std::fprintf(stderr, "--slc-dq takes auto|query|fused\n");
+      const std::map<std::string, Choice::Dq> dq = {
+          {"auto", Choice::Dq::kAuto}, {"query", Choice::Dq::kQuerySide}, {"fused", Choice::Dq::kFused}};
+      const std::map<std::string, Choice::Fwd> fwd = {{"auto", Choice::Fwd::kAuto},
+                                                      {"rows", Choice::Fwd::kRows},
+                                                      {"heads", Choice::Fwd::kHeads},
+                                                      {"tiled", Choice::Fwd::kTiled}};
+      if (flag == "--slc-dq" && dq.count(value)) {
+        choice.dq = dq.at(value);
+      } else if (flag == "--slc-fwd" && fwd.count(value)) {
+        choice.fwd = fwd.at(value);
+      } else {
+        std::fprintf(stderr, "--slc-dq takes auto|query|fused, --slc-fwd auto|rows|heads|tiled\n");
         return 2;
       }
       nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
-      std::printf("# selected dQ: %s\n", value.c_str());
+      std::printf("# selected kernels: %s %s\n", flag.c_str(), value.c_str());
 #else
-      std::fprintf(stderr, "--slc-dq needs the CUDA kernels (this build has none)\n");
+      std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
     } else {

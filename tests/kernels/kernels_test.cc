@@ -151,6 +151,8 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
   using Dq = Choice::Dq;
   const std::vector<Path> paths = {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
+      {"fwd tiled", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0), true, false},
+      {"fwd tiled, dq fused", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0, Dq::kFused), true, true},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
