@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--cmp-kernel auto|registers]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|registers]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -16,7 +16,9 @@
 // from (the query-side kernel, or fused into dK/dV: a D=64 build) and queries per dK/dV
 // work item (0 = auto) through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
 // in one binary; --cmp-kernel registers forces the compressed branch's register-only kernels
-// (CompressedKernelChoice). The default is the dispatch training uses. Choices print first.
+// (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
+// FlashAttention-2 instead of the tiled kernel (WindowKernelChoice). The default is the
+// dispatch training uses. Choices print first.
 //
 // bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
 // --reps runs bracketed by CUDA events after --warmup runs. TFLOP/s count the attention
@@ -66,6 +68,9 @@ constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
     {"unstaged", Choice::DkDv::kUnstaged}};
 constexpr std::pair<const char*, Choice::Dq> kDqNames[] = {
     {"auto", Choice::Dq::kAuto}, {"query", Choice::Dq::kQuerySide}, {"fused", Choice::Dq::kFused}};
+using WinChoice = nsad::nsa::cuda::detail::WindowKernelChoice;
+constexpr std::pair<const char*, WinChoice::Forward> kWinNames[] = {
+    {"auto", WinChoice::Forward::kAuto}, {"flash", WinChoice::Forward::kFlash}, {"tiled", WinChoice::Forward::kTiled}};
 using CmpChoice = nsad::nsa::cuda::detail::CompressedKernelChoice;
 constexpr std::pair<const char*, CmpChoice::Path> kCmpNames[] = {
     {"auto", CmpChoice::Path::kAuto}, {"registers", CmpChoice::Path::kRegisters}};
@@ -249,6 +254,7 @@ int main(int argc, char** argv) {
   bool slc_only = false;
   Choice choice;
   CmpChoice cmp_choice;
+  WinChoice win_choice;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -270,6 +276,11 @@ int main(int argc, char** argv) {
     else if (a == "--cmp-kernel") {
       if (!FromName(kCmpNames, argv[i + 1], cmp_choice.path)) {
         std::fprintf(stderr, "--cmp-kernel takes auto|registers\n");
+        return 2;
+      }
+    } else if (a == "--win-fwd") {
+      if (!FromName(kWinNames, argv[i + 1], win_choice.forward)) {
+        std::fprintf(stderr, "--win-fwd takes auto|flash|tiled\n");
         return 2;
       }
     }
@@ -313,6 +324,8 @@ int main(int argc, char** argv) {
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
+  nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
+  std::printf("# window forward: %s\n", NameOf(kWinNames, win_choice.forward));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   const Ceilings ceilings = MeasureCeilings(warmup, std::max(reps, 5));
   std::printf("# ceilings on this GPU: copy %.0f GB/s (read + write), bf16 matmul %.0f TFLOP/s\n",

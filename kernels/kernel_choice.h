@@ -1,10 +1,11 @@
-// Which selected-attention (kernels/selected_attention.cu) and compressed-attention
-// (kernels/compressed_attention.cu) kernels run: process-wide choices for tests and
-// benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
-// --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel compares them in one binary. Nothing else sets them,
-// so training runs the default: everything kAuto, the dispatch measured in
-// docs/PERFORMANCE.md. There is no environment switch: a forced choice is visible in the code
-// that sets it.
+// Which selected-attention (kernels/selected_attention.cu), compressed-attention
+// (kernels/compressed_attention.cu) and window-forward (kernels/window_attention.cu) kernels
+// run: process-wide choices for tests and benchmarks only. kernels_test forces every path on
+// every shape; nsa_bench --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel /
+// --win-fwd compares them in one binary (train_bench: --slc-fwd / --slc-dq / --win-fwd).
+// Nothing else sets them, so training runs the default: everything kAuto, the dispatch
+// measured in docs/PERFORMANCE.md. There is no environment switch: a forced choice is
+// visible in the code that sets it.
 //
 // A forced choice that cannot run on a call (fp32 inputs, a D=64-only build at D=128, the
 // rows kernel with top_n > 32, queries_per_item out of range) fails that call with a
@@ -56,6 +57,19 @@ struct CompressedKernelChoice {
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);
 CompressedKernelChoice GetCompressedKernelChoice();
 
+// Sliding-window forward, bf16/fp16: kTiled runs the tiled shared-memory kernel
+// (window_attention.cu, head_dim 64 or 128), kFlash PyTorch's FlashAttention-2 forward with
+// a window (the path before), kAuto the tiled kernel at head_dim 64 and FlashAttention-2
+// otherwise (measured). The backward is FlashAttention-2's either way. fp32 takes its own
+// path (kTiled fails there, as on other head dims).
+struct WindowKernelChoice {
+  enum class Forward { kAuto, kFlash, kTiled };
+  Forward forward = Forward::kAuto;
+};
+
+void SetWindowKernelChoiceForTesting(const WindowKernelChoice& choice);
+WindowKernelChoice GetWindowKernelChoice();
+
 // Forces a choice for its lifetime and restores the previous one, also when a test
 // assertion returns early.
 template <typename Choice, Choice (*Get)(), void (*Set)(const Choice&)>
@@ -76,5 +90,7 @@ using ScopedSelectedKernelChoice =
 using ScopedCompressedKernelChoice =
     ScopedKernelChoice<CompressedKernelChoice, &GetCompressedKernelChoice,
                        &SetCompressedKernelChoiceForTesting>;
+using ScopedWindowKernelChoice =
+    ScopedKernelChoice<WindowKernelChoice, &GetWindowKernelChoice, &SetWindowKernelChoiceForTesting>;
 
 }  // namespace nsad::nsa::cuda::detail

@@ -87,16 +87,32 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
   }
 };
 
-// FlashAttention-2 with a causal window of w keys: window_size_left = w - 1 keeps keys
-// (t - w, t], exactly the contract's window.
+// A causal window of w keys: window_size_left = w - 1 keeps keys (t - w, t], exactly the
+// contract's window. Forward: the tiled kernel (window_attention.cu) where it applies, else
+// FlashAttention-2's; backward: FlashAttention-2's, given the forward's output and its
+// log-sum-exp in FlashAttention's layout ([B,H,T], natural log; ours is [B,T,H] in log2
+// units) and, as its own forward returns them without dropout, empty RNG tensors.
 struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, int64_t window) {
     const int64_t T = q.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    auto [out, lse, rng_state, unused, debug] = at::_flash_attention_forward(
-        q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
-        /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
+    torch::Tensor out, lse, rng_state, unused;
+    if (detail::UseTiledWindowForward(q)) {
+      auto [tiled_out, lse_log2] = detail::WindowForward(q, k, v, window);
+      out = tiled_out;
+      lse = (lse_log2 * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
+      rng_state = torch::empty({}, torch::kLong);
+      unused = torch::empty({}, torch::kLong);
+    } else {
+      auto [flash_out, flash_lse, flash_rng, flash_unused, debug] = at::_flash_attention_forward(
+          q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
+          /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
+      out = flash_out;
+      lse = flash_lse;
+      rng_state = flash_rng;
+      unused = flash_unused;
+    }
     ctx->save_for_backward({q, k, v, out, lse, rng_state, unused});
     ctx->saved_data["window"] = window;
     return out;
@@ -159,6 +175,7 @@ torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B,T,*,D]");
   TORCH_CHECK(g.window > 0, "window must be positive");
+  detail::UseTiledWindowForward(q);  // a forced choice this input cannot take fails here, fp32 included
   if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
     return SlidingWindowFlashFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window);
   }

@@ -4,7 +4,8 @@
 // of attention_tile.cuh.
 //
 // Forward and dQ are query-centric. Where neighbouring positions share their blocks (short
-// sequences) the forward runs over shared-memory tiles (SelectedSmemFwdKernel, below);
+// sequences) the forward runs over shared-memory tiles (smem_fwd::TiledFwdKernel with
+// ChosenBlocksWalk, below);
 // otherwise, and for the query-side dQ, two register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
@@ -81,8 +82,6 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   }
   TORCH_CHECK(c.fwd != Choice::Fwd::kRows || n <= 32,
               "SelectedKernelChoice: the rows kernel needs top_n <= 32, got ", n);
-  TORCH_CHECK(c.fwd != Choice::Fwd::kTiled || s.hq() <= 128,
-              "SelectedKernelChoice: the tiled forward holds at most 128 heads per group in a CTA, got ", s.hq());
   TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
               "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
               " takes kAuto or kUnstaged");
@@ -287,119 +286,48 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   }
 }
 
-// Forward over shared-memory tiles (FlashAttention-2 style, smem_fwd_tile.cuh): a CTA owns
-// the (position, head) rows of up to 32 consecutive positions of one (b, g), kRows = 128
-// rows, and walks the union of the blocks those positions chose. Each block's K and V are
-// copied once per CTA with cp.async (double buffered: the next chosen block's copy overlaps
-// this block's products) and read by every warp with ldmatrix, where the register kernels
-// above load them per warp from L1/L2. A row attends a block's keys only if its position
-// chose the block (bit p of chosen[block]) and the key is causal; blocks every row chose and
-// fully sees run without the per-row test. The selection is a set here, as in the reference
-// (a block listed twice counts once).
-template <int D>
-struct SlcSmemCfg {
-  static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
-  static constexpr int kWarps = 8 / kM;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRows = 16 * kM * kWarps;  // 128
-  static constexpr int kN = kKeyChunk;            // keys per tile: a whole selection block
-  static constexpr int kTileBytes = kN * D * 2;
-  static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
-  static constexpr int kMaxPositions = 32;            // one bit per position in chosen[]
-  static int PositionsPerCta(int hq) { return std::min(kMaxPositions, kRows / hq); }
-  static int SmemBytes(int num_blocks) { return 2 * kStageBytes + 4 * num_blocks; }
-};
+// The selected branch's walk for the tiled forward (smem_fwd::TiledFwdKernel): the union of
+// the blocks the CTA's positions chose. Prepare builds chosen[blk] in shared memory (bit p:
+// position t0 + p chose block blk); a row attends a block's keys only if its position chose
+// it and the key is causal. The selection is a set here, as in the reference (a block listed
+// twice counts once).
+struct ChosenBlocksWalk {
+  const int* block_idx;  // [B,T,G,n]
+  int n, slc_block, num_blocks;
+  unsigned* chosen = nullptr;  // num_blocks words of the CTA's shared memory
+  unsigned all_rows = 0;
+  int t0 = 0;
 
-template <typename scalar_t, int D>
-__global__ void __launch_bounds__(SlcSmemCfg<D>::kThreads)
-    SelectedSmemFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
-                          const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
-                          float* __restrict__ lse, Shape s, const int* __restrict__ block_idx, int n,
-                          int slc_block, int num_blocks, int positions_per_cta, float scale_log2) {
-  using Cfg = SlcSmemCfg<D>;
-  constexpr int kM = Cfg::kM, kN = Cfg::kN;
-  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  extern __shared__ float4 slc_smem[];  // [2 stages][K tile, V tile], then chosen[num_blocks]
-  const uint32_t smem_base = mma::SmemAddr(slc_smem);
-  unsigned* chosen = reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(slc_smem) + 2 * Cfg::kStageBytes);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, hq = s.hq();
-  const int t0 = static_cast<int>(blockIdx.x) * positions_per_cta;
-  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
-  const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
-
-  // chosen[blk]: bit p set iff position t0 + p selected block blk.
-  for (int i = threadIdx.x; i < num_blocks; i += Cfg::kThreads) chosen[i] = 0u;
-  __syncthreads();
-  const int* idx = block_idx + ((static_cast<int64_t>(b) * s.T + t0) * s.G + grp) * n;
-  for (int i = threadIdx.x; i < positions * n; i += Cfg::kThreads) {
-    const int p = i / n;
-    const int blk = idx[static_cast<int64_t>(p) * s.G * n + i % n];
-    if (blk >= 0 && blk < num_blocks) atomicOr(&chosen[blk], 1u << p);
-  }
-  __syncthreads();
-
-  int64_t row_index[kM][2];
-  bool row_valid[kM][2];
-  int row_t[kM][2], row_pos[kM][2];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * (kM * warp + m) + g + 8 * h;
-      row_valid[m][h] = r < rows;
-      row_pos[m][h] = row_valid[m][h] ? r / hq : 0;
-      row_t[m][h] = row_valid[m][h] ? t0 + r / hq : -1;  // -1: attends nothing
-      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + row_pos[m][h]) * s.H + grp * hq +
-                        (row_valid[m][h] ? r % hq : 0);
+  static int SmemBytes(int num_blocks) { return 4 * num_blocks; }
+  __device__ void Prepare(void* smem, const Shape& s, int b, int grp, int first, int positions) {
+    chosen = static_cast<unsigned*>(smem);
+    t0 = first;
+    all_rows = positions >= 32 ? 0xffffffffu : (1u << positions) - 1u;
+    for (int i = threadIdx.x; i < num_blocks; i += blockDim.x) chosen[i] = 0u;
+    __syncthreads();
+    const int* idx = block_idx + ((static_cast<int64_t>(b) * s.T + t0) * s.G + grp) * n;
+    for (int i = threadIdx.x; i < positions * n; i += blockDim.x) {
+      const int p = i / n;
+      const int blk = idx[static_cast<int64_t>(p) * s.G * n + i % n];
+      if (blk >= 0 && blk < num_blocks) atomicOr(&chosen[blk], 1u << p);
     }
+    __syncthreads();
   }
-  uint32_t qf[kM][D / 16][4];
-  smem_fwd::LoadQ<D, kM>(qf, q, row_index, row_valid, lane);
-  smem_fwd::State<D, kM> st;
-  st.Init();
-
-  const unsigned all_rows = positions >= 32 ? 0xffffffffu : (1u << positions) - 1u;
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
-  const auto next_block = [&](int from) {  // CTA-uniform: chosen[] is read-only from here on
+  __device__ int Next(int from) const {  // CTA-uniform: chosen[] is read-only from here on
     while (from < num_blocks && chosen[from] == 0u) ++from;
-    return from;
-  };
-  const auto stage = [&](int blk, int buf) {
-    const int key0 = blk * slc_block, count = min(slc_block, s.T - key0);
-    const uint32_t dst = smem_base + buf * Cfg::kStageBytes;
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst + Cfg::kTileBytes, v + KeyOffset(s, b, key0, grp), kv_stride,
-                                              count);
-  };
-
-  int blk = next_block(0);
-  if (blk < num_blocks) stage(blk, 0);
-  mma::CpAsyncCommit();
-  for (int it = 0; blk < num_blocks; ++it) {
-    const int nxt = next_block(blk + 1);
-    mma::CpAsyncWaitAll();
-    __syncthreads();  // this block landed for everyone; everyone is done with the other buffer
-    if (nxt < num_blocks) stage(nxt, (it + 1) & 1);
-    mma::CpAsyncCommit();
-    if (active) {
-      const uint32_t buf = smem_base + (it & 1) * Cfg::kStageBytes;
-      const int key0 = blk * slc_block, count = min(slc_block, s.T - key0);
-      const unsigned mask = chosen[blk];
-      const bool every_row = (mask & all_rows) == all_rows && key0 + count - 1 <= t0;  // CTA-uniform
-      float sc[kM][kN / 8][4];
-      smem_fwd::Scores<kBf16, D, kM, kN>(sc, qf, buf, lane);
-      smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(
-          st, sc, buf + Cfg::kTileBytes, scale_log2,
-          [&](int m, int h, int key) {
-            return key < count && (every_row || (((mask >> row_pos[m][h]) & 1u) != 0u && key0 + key <= row_t[m][h]));
-          },
-          lane);
-    }
-    blk = nxt;
+    return from < num_blocks ? from : -1;
   }
-  smem_fwd::Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
-}
+  __device__ int First() const { return Next(0); }
+  __device__ int Start(int blk) const { return blk * slc_block; }
+  __device__ int Count(const Shape& s, int blk) const { return min(slc_block, s.T - blk * slc_block); }
+  // Every row chose the block and sees all its keys (CTA-uniform): no per-row test.
+  __device__ bool EveryRowSeesAll(int blk, int key0, int count) const {
+    return (chosen[blk] & all_rows) == all_rows && key0 + count - 1 <= t0;
+  }
+  __device__ bool Sees(int blk, int pos, int t, int key) const {
+    return ((chosen[blk] >> pos) & 1u) != 0u && key <= t;
+  }
+};
 
 // Which query-side tensor-core kernel runs. A forced choice wins (tests cover both paths on
 // every shape; ChoiceFor rejected kRows with n > 32); the default picks rows where its union
@@ -433,37 +361,25 @@ void LaunchSelectedQueryMma(const at::Tensor& q, const at::Tensor& k, const at::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The tiled forward (SelectedSmemFwdKernel): forced, or (auto) where neighbouring positions
+// The tiled forward (smem_fwd::TiledFwdKernel): forced, or (auto) where neighbouring positions
 // share their blocks, num_blocks <= 2n (every position below n l' takes all its causal
-// blocks), for groups of up to 32 heads (4+ positions per CTA; measured up to 16). Measured
+// blocks; any group size the kernels take, <= 16 heads: 8+ positions per CTA). Measured
 // on H100 at B16 T2048 (nsa_bench, selected forward ms, rows/heads kernel -> tiled): D64 12:2
 // 0.836 -> 0.624, 64:4 3.588 -> 2.890, D128 12:2 1.344 -> 1.112, 64:4 7.045 -> 5.392. At 64k
 // a CTA's positions share almost nothing (D64 12:2: 12.2 ms against 4.8).
 bool UseTiledForward(const Choice& c, const Shape& s, int n, int num_blocks) {
   if (c.fwd == Choice::Fwd::kTiled) return true;
   if (c.fwd != Choice::Fwd::kAuto) return false;
-  return num_blocks <= 2 * n && s.hq() <= 32;
+  return num_blocks <= 2 * n;
 }
 
 template <typename scalar_t, int D>
 void LaunchSelectedTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                                 at::Tensor& lse, const Shape& s, const at::Tensor& block_idx, const Geo& g) {
-  using Cfg = SlcSmemCfg<D>;
   const int num_blocks = (s.T + g.slc_block - 1) / g.slc_block;
-  const int per_cta = Cfg::PositionsPerCta(s.hq());
-  const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  const int smem = Cfg::SmemBytes(num_blocks);
-  const auto kernel = SelectedSmemFwdKernel<scalar_t, D>;
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
-  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
-  kernel<<<grid, Cfg::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-      lse.data_ptr<float>(), s, block_idx.data_ptr<int>(), static_cast<int>(block_idx.size(3)), g.slc_block,
-      num_blocks, per_cta, scale_log2);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const ChosenBlocksWalk walk{block_idx.data_ptr<int>(), static_cast<int>(block_idx.size(3)), g.slc_block,
+                              num_blocks};
+  smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, lse, s, walk, ChosenBlocksWalk::SmemBytes(num_blocks));
 }
 
 struct SelectedQueryPolicy {

@@ -1,6 +1,6 @@
 // FlashAttention-2-style forward steps over key/value tiles staged in shared memory, shared
-// by the compressed branch's forward (CmpSmemKernel) and the selected branch's tiled forward
-// (SelectedSmemFwdKernel). A warp owns kM m16 tiles of query rows (A fragments of Q in
+// by the compressed branch's forward (CmpSmemKernel) and the tiled forward below
+// (TiledFwdKernel: selected blocks, sliding window). A warp owns kM m16 tiles of query rows (A fragments of Q in
 // registers, standard m16n8k16 layout); each tile of kN keys sits in shared memory as
 // swizzled D-element rows (mma::StageTileAsync) and is read with ldmatrix:
 //   Scores:    S = Q K^T (ldmatrix of K rows: B fragments of two k16 steps per load)
@@ -8,6 +8,14 @@
 //              of V rows), P rounded to the input type as FlashAttention does
 //   Finish:    O / l and the row's log2-sum-exp (+inf, with a zero row, when it saw nothing)
 #pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
 
 #include "mma_tile.cuh"
 
@@ -159,6 +167,126 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
       if (c == 0) lse[row_index[t][h]] = l > 0.f ? st.m[t][h] + log2f(l) : INFINITY;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// The tiled forward: a CTA owns the (position, head) rows of up to 32 consecutive positions
+// of one (b, g), kRows = 128 rows (21 positions at 6 heads per group), and walks the key
+// blocks a Walk policy hands out. Each block (<= 64 keys) is copied once per CTA with
+// cp.async (double buffered: the next block's copy overlaps this block's products) and read
+// by every warp with ldmatrix. The Walk says which rows see which keys:
+//   static int SmemBytes(...)        its shared memory after the two K/V stages
+//   Prepare(smem, s, b, g, t0, positions)   once per CTA, every thread (may use barriers)
+//   First() / Next(blk)               CTA-uniform block sequence, -1 at the end
+//   Start(blk) / Count(s, blk)        the block's keys [Start, Start + Count), Count <= 64
+//   EveryRowSeesAll(blk, key0, count) CTA-uniform: no per-row test needed
+//   Sees(blk, pos, t, key)            row of position t (t0 + pos) may attend key
+template <int D>
+struct TiledCfg {
+  static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
+  static constexpr int kWarps = 8 / kM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kM * kWarps;  // 128
+  static constexpr int kN = 64;                   // keys per tile
+  static constexpr int kTileBytes = kN * D * 2;
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
+  static constexpr int kMaxPositions = 32;            // positions per CTA (one bit each for masks)
+  static int PositionsPerCta(int hq) { return std::min(kMaxPositions, kRows / hq); }
+};
+
+template <typename scalar_t, int D, typename Walk>
+__global__ void __launch_bounds__(TiledCfg<D>::kThreads)
+    TiledFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
+                   scalar_t* __restrict__ out, float* __restrict__ lse, Shape s, Walk walk, int positions_per_cta,
+                   float scale_log2) {
+  using Cfg = TiledCfg<D>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 tiled_smem[];  // [2 stages][K tile, V tile], then the walk's data
+  const uint32_t smem_base = mma::SmemAddr(tiled_smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, hq = s.hq();
+  const int t0 = static_cast<int>(blockIdx.x) * positions_per_cta;
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
+  const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
+  walk.Prepare(reinterpret_cast<unsigned char*>(tiled_smem) + 2 * Cfg::kStageBytes, s, b, grp, t0, positions);
+
+  int64_t row_index[kM][2];
+  bool row_valid[kM][2];
+  int row_t[kM][2], row_pos[kM][2];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * (kM * warp + m) + g + 8 * h;
+      row_valid[m][h] = r < rows;
+      row_pos[m][h] = row_valid[m][h] ? r / hq : 0;
+      row_t[m][h] = row_valid[m][h] ? t0 + r / hq : -1;  // -1: attends nothing
+      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + row_pos[m][h]) * s.H + grp * hq +
+                        (row_valid[m][h] ? r % hq : 0);
+    }
+  }
+  uint32_t qf[kM][D / 16][4];
+  LoadQ<D, kM>(qf, q, row_index, row_valid, lane);
+  State<D, kM> st;
+  st.Init();
+
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const auto stage = [&](int blk, int buf) {
+    const int key0 = walk.Start(blk), count = walk.Count(s, blk);
+    const uint32_t dst = smem_base + buf * Cfg::kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst + Cfg::kTileBytes, v + KeyOffset(s, b, key0, grp), kv_stride,
+                                              count);
+  };
+
+  int blk = walk.First();
+  if (blk >= 0) stage(blk, 0);
+  mma::CpAsyncCommit();
+  for (int it = 0; blk >= 0; ++it) {
+    const int nxt = walk.Next(blk + 1);
+    mma::CpAsyncWaitAll();
+    __syncthreads();  // this block landed for everyone; everyone is done with the other buffer
+    if (nxt >= 0) stage(nxt, (it + 1) & 1);
+    mma::CpAsyncCommit();
+    if (active) {
+      const uint32_t buf = smem_base + (it & 1) * Cfg::kStageBytes;
+      const int key0 = walk.Start(blk), count = walk.Count(s, blk);
+      const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
+      float sc[kM][kN / 8][4];
+      Scores<kBf16, D, kM, kN>(sc, qf, buf, lane);
+      SoftmaxPV<kBf16, D, kM, kN>(
+          st, sc, buf + Cfg::kTileBytes, scale_log2,
+          [&](int m, int h, int key) {
+            return key < count && (every_row || walk.Sees(blk, row_pos[m][h], row_t[m][h], key0 + key));
+          },
+          lane);
+    }
+    blk = nxt;
+  }
+  Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
+}
+
+// Launches TiledFwdKernel over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32
+// in log2 units (+inf for a row that saw no key).
+template <typename scalar_t, int D, typename Walk>
+void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                        at::Tensor& lse, const Shape& s, const Walk& walk, int walk_smem_bytes) {
+  using Cfg = TiledCfg<D>;
+  TORCH_CHECK(s.hq() <= Cfg::kRows, "tiled attention forward: at most ", Cfg::kRows, " heads per group, got ", s.hq());
+  const int per_cta = Cfg::PositionsPerCta(s.hq());
+  const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const int smem = 2 * Cfg::kStageBytes + walk_smem_bytes;
+  const auto kernel = TiledFwdKernel<scalar_t, D, Walk>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
+  kernel<<<grid, Cfg::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+      lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace nsad::nsa::cuda::detail::smem_fwd

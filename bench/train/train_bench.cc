@@ -12,6 +12,7 @@
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled]
+//               [--win-fwd auto|flash|tiled]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -24,7 +25,8 @@
 // whose synchronised time is much larger is bound by the GPU.
 // --slc-dq / --slc-fwd force where the selected branch's dQ comes from (the query-side
 // kernel or fused into the dK/dV kernel) and its forward kernel (kernels/kernel_choice.h),
-// for A/B runs of the training step in one invocation; auto (the default) is the dispatch
+// for A/B runs of the training step in one invocation, and --win-fwd the window branch's
+// forward (the tiled kernel or FlashAttention-2's); auto (the default) is the dispatch
 // training uses.
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
@@ -375,6 +377,21 @@ int main(int argc, char** argv) {
       opt.fused_loss = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
+    } else if (flag == "--win-fwd") {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+      using WinChoice = nsad::nsa::cuda::detail::WindowKernelChoice;
+      const std::map<std::string, WinChoice::Forward> names = {
+          {"auto", WinChoice::Forward::kAuto}, {"flash", WinChoice::Forward::kFlash}, {"tiled", WinChoice::Forward::kTiled}};
+      if (!names.count(value)) {
+        std::fprintf(stderr, "--win-fwd takes auto|flash|tiled\n");
+        return 2;
+      }
+      nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting({names.at(value)});
+      std::printf("# window forward: %s\n", value.c_str());
+#else
+      std::fprintf(stderr, "--win-fwd needs the CUDA kernels (this build has none)\n");
+      return 2;
+#endif
     } else if (flag == "--slc-dq" || flag == "--slc-fwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
       using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;

@@ -97,6 +97,7 @@ class KernelsTest : public testing::TestWithParam<Case> {
 
   void CheckSelectedAttention();
   void CheckCompressedAttention();
+  void CheckSlidingWindow();
 
   Geometry geo_;
 };
@@ -347,7 +348,40 @@ TEST(SelectBlocksLongRows, FollowTheRules) {
   }
 }
 
-TEST_P(KernelsTest, SlidingWindowForwardAndGradients) {
+TEST_P(KernelsTest, SlidingWindowForwardAndGradients) { CheckSlidingWindow(); }
+
+// FlashAttention-2's windowed forward, the path before the tiled one (kept for A/B timings):
+// same checks, and the backward then gets FlashAttention's own log-sum-exp.
+TEST_P(KernelsTest, SlidingWindowFlashForward) {
+  cuda::detail::WindowKernelChoice choice;
+  choice.forward = cuda::detail::WindowKernelChoice::Forward::kFlash;
+  const cuda::detail::ScopedWindowKernelChoice force(choice);  // restored on failure too
+  CheckSlidingWindow();
+}
+
+// The tiled window forward where auto does not take it (head_dim 128), and everywhere else.
+TEST_P(KernelsTest, SlidingWindowTiledForward) {
+  if (GetParam().dtype == torch::kFloat) GTEST_SKIP() << "fp32 has the masked path only";
+  cuda::detail::WindowKernelChoice choice;
+  choice.forward = cuda::detail::WindowKernelChoice::Forward::kTiled;
+  const cuda::detail::ScopedWindowKernelChoice force(choice);
+  CheckSlidingWindow();
+}
+
+// The tiled window forward takes bf16/fp16 with head_dim 64 or 128: forcing it on fp32 fails
+// instead of running the masked fp32 path.
+TEST_P(KernelsTest, SlidingWindowRejectsATiledForwardItCannotRun) {
+  const Case c = GetParam();
+  if (c.dtype != torch::kFloat) GTEST_SKIP() << "bf16/fp16 at D=64/128 take the tiled forward";
+  cuda::detail::WindowKernelChoice choice;
+  choice.forward = cuda::detail::WindowKernelChoice::Forward::kTiled;
+  const cuda::detail::ScopedWindowKernelChoice force(choice);
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  EXPECT_THROW(cuda::SlidingWindowAttention(q, kv, kv, geo_), c10::Error);
+}
+
+void KernelsTest::CheckSlidingWindow() {
   const Case c = GetParam();
   auto q = Random({kBatch, c.T, c.H, c.D});
   auto k = Random({kBatch, c.T, c.G, c.D});
