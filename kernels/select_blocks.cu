@@ -34,6 +34,33 @@ __global__ void __launch_bounds__(kThreads)
   const int current = t / slc_block;
   const int eligible = min(current + 1, NS);  // blocks 0..current start at or before t
 
+  int* dst = out + row * n;
+  if (eligible > n && current - 2 <= 32) {
+    // Every candidate (blocks 1 .. current-2) fits one per lane, as at T <= 2048 with l' = 64:
+    // a candidate is picked iff fewer than n - 3 others come before it in (importance desc,
+    // index asc) order, one pass of 32 compares instead of n - 3 rounds of warp argmax.
+    // Picked candidates are already ascending by lane and lie between block 0 and the
+    // forced current - 1, current; exactly n - 3 of them are picked (there are >= n - 2).
+    const int index = 1 + lane;
+    const bool candidate = index <= current - 2;
+    float value = candidate ? imp[index] : -INFINITY;
+    if (isnan(value)) value = -INFINITY;
+    const Candidate mine{value, index};
+    int before = 0;
+    for (int j = 0; j < 32; ++j) {
+      const Candidate other{__shfl_sync(0xffffffffu, value, j), 1 + j};
+      if (1 + j <= current - 2 && Before(other, mine)) ++before;
+    }
+    const bool picked = candidate && before < n - 3;
+    const unsigned picked_mask = __ballot_sync(0xffffffffu, picked);
+    if (picked) dst[1 + __popc(picked_mask & ((1u << lane) - 1u))] = index;
+    if (lane == 0) {
+      dst[0] = 0;
+      dst[n - 2] = current - 1;
+      dst[n - 1] = current;
+    }
+    return;
+  }
   int chosen = -1;  // the block this lane holds, sorted into place below
   if (eligible <= n) {
     chosen = lane < eligible ? lane : -1;  // every eligible block fits, already ascending
@@ -69,7 +96,6 @@ __global__ void __launch_bounds__(kThreads)
       if (chosen >= 0 && other < chosen) ++rank;
     }
   }
-  int* dst = out + row * n;
   if (chosen >= 0 && lane < n) dst[rank] = chosen;
   if (lane >= used && lane < n) dst[lane] = -1;
 }
