@@ -57,6 +57,9 @@ class BackendTest : public ::testing::Test {
   // keys (one call) and of the compressed keys, the gate mixing, the residual add + the
   // MLP's norm, and the SwiGLU.
   static constexpr int64_t kFusedPerLayer = 6;
+  // Per step of the 2-layer model: its layers, the previous MLP output's residual add with
+  // the second layer's attention norm and with the final norm, and the loss.
+  static constexpr int64_t kFusedPerStep = 2 * kFusedPerLayer + 2 + 1;
   testing::TempDir tmp_{"nsad-backend-test"};
 };
 
@@ -80,7 +83,7 @@ TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
-  EXPECT_EQ(fused, 3 * (2 * kFusedPerLayer + 1)) << "RoPE, gate mixing, add + norm, SwiGLU and the loss run fused";
+  EXPECT_EQ(fused, 3 * kFusedPerStep) << "RoPE, gate mixing, add + norm, SwiGLU and the loss run fused";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {

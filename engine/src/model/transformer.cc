@@ -44,16 +44,26 @@ class NsaBlockImpl : public torch::nn::Module {
     mlp_down = register_module("mlp_down", NormalLinear(hidden, dim, residual_std));
   }
 
-  torch::Tensor forward(torch::Tensor x, int layer, const NsaTransformerImpl::Tap& tap) {
-    auto attn_out = attn->forward(attn_norm->forward(x));
-    if (tap) attn_out = tap(layer, "attention", attn_out);
-    // x + attn_out and the MLP's norm of it in one step (one kernel on the CUDA backend).
+  // The residual stream enters as x plus the previous block's MLP output not yet added
+  // (`pending`; undefined before the first block) and leaves the same way: every residual
+  // add happens together with the RMSNorm that follows it (nsa::AddRmsNorm, one kernel on
+  // the CUDA backend, the norm written in the GEMM's dtype). Returns {x + pending +
+  // attn_out, mlp_out}.
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& pending, int layer,
+                                                  const NsaTransformerImpl::Tap& tap) {
     torch::Tensor normed;
+    if (pending.defined()) {
+      std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, pending, attn_norm->weight, attn_norm->eps());
+    } else {
+      normed = attn_norm->forward(x);
+    }
+    auto attn_out = attn->forward(normed);
+    if (tap) attn_out = tap(layer, "attention", attn_out);
     std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, attn_out, mlp_norm->weight, mlp_norm->eps());
     const auto gate_up = SharedInputLinearJoint(normed, {mlp_gate, mlp_up});
     auto mlp_out = mlp_down->forward(nsa::SwiGlu(backend_, gate_up));
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
-    return x + mlp_out;
+    return {x, mlp_out};
   }
 
   RmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
@@ -74,23 +84,33 @@ TORCH_MODULE(NsaBlock);
 // the graph; they travel as integers because saved_data holds IValues.
 class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               NsaBlockImpl* block, int64_t layer,
-                               const NsaTransformerImpl::Tap* tap) {
+  // Inputs and outputs as NsaBlockImpl::forward: {x, pending} -> {x, mlp_out}. A custom
+  // Function takes no undefined tensor, so "nothing pending" (the first block) comes in as
+  // an empty tensor.
+  static torch::Tensor NothingPending(const torch::Tensor& x) { return x.new_empty({0}); }
+  static torch::Tensor Pending(const torch::Tensor& t) { return t.numel() == 0 ? torch::Tensor() : t; }
+
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                const torch::Tensor& pending, NsaBlockImpl* block, int64_t layer,
+                                                const NsaTransformerImpl::Tap* tap) {
     const auto device = x.device().type();
-    ctx->save_for_backward({x});
+    ctx->save_for_backward({x, pending});
     ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
     ctx->saved_data["tap"] = reinterpret_cast<int64_t>(tap);
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["autocast"] = at::autocast::is_autocast_enabled(device);
     ctx->saved_data["autocast_dtype"] =
         static_cast<int64_t>(at::autocast::get_autocast_dtype(device));
-    return block->forward(x, static_cast<int>(layer), *tap);
+    auto [out, mlp_out] = block->forward(x, Pending(pending), static_cast<int>(layer), *tap);
+    return {out, mlp_out};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    auto x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const auto saved = ctx->get_saved_variables();
+    auto x = saved[0].detach().requires_grad_(true);
+    auto pending = Pending(saved[1]);
+    if (pending.defined()) pending = pending.detach().requires_grad_(true);
     auto* block = reinterpret_cast<NsaBlockImpl*>(ctx->saved_data["block"].toInt());
     const auto* tap =
         reinterpret_cast<const NsaTransformerImpl::Tap*>(ctx->saved_data["tap"].toInt());
@@ -101,16 +121,27 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     at::autocast::set_autocast_enabled(device, autocast);
     at::autocast::set_autocast_dtype(
         device, static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
-    torch::Tensor out;
+    std::pair<torch::Tensor, torch::Tensor> outs;
     {
       torch::AutoGradMode grad(true);
-      out = block->forward(x, static_cast<int>(ctx->saved_data["layer"].toInt()), *tap);
+      outs = block->forward(x, pending, static_cast<int>(ctx->saved_data["layer"].toInt()), *tap);
     }
     at::autocast::set_autocast_enabled(device, previous);
     at::autocast::set_autocast_dtype(device, previous_dtype);
     if (autocast) at::autocast::clear_cache();
-    torch::autograd::backward({out}, {grad_outputs[0]});
-    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // Back-propagate the outputs that received a gradient (both, in the model).
+    torch::autograd::variable_list roots, grads;
+    if (grad_outputs[0].defined()) {
+      roots.push_back(outs.first);
+      grads.push_back(grad_outputs[0]);
+    }
+    if (grad_outputs[1].defined()) {
+      roots.push_back(outs.second);
+      grads.push_back(grad_outputs[1]);
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    return {x.grad(), pending.defined() ? pending.grad() : torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -137,19 +168,31 @@ NsaTransformerImpl::NsaTransformerImpl(const ModelConfig& config, AttentionBacke
 torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [B,T], got ", tokens.sizes());
   auto x = embed_->forward(tokens);
+  torch::Tensor pending;  // the last block's MLP output, added together with the next norm
   int layer = 0;
   const bool checkpoint = activation_checkpointing_ && is_training() &&
                           torch::GradMode::is_enabled() && x.requires_grad();
   for (const auto& block : *blocks_) {
     auto* impl = block->as<NsaBlockImpl>();
-    x = checkpoint ? CheckpointedBlock::apply(x, impl, static_cast<int64_t>(layer), &tap_)
-                   : impl->forward(x, layer, tap_);
+    if (checkpoint) {
+      const auto outs = CheckpointedBlock::apply(
+          x, pending.defined() ? pending : CheckpointedBlock::NothingPending(x), impl, static_cast<int64_t>(layer), &tap_);
+      x = outs[0];
+      pending = outs[1];
+    } else {
+      std::tie(x, pending) = impl->forward(x, pending, layer, tap_);
+    }
     ++layer;
   }
-  x = final_norm_->forward(x);
+  torch::Tensor normed;
+  if (pending.defined()) {
+    std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, pending, final_norm_->weight, final_norm_->eps());
+  } else {
+    normed = final_norm_->forward(x);
+  }
   // Logits stay in the matmul's dtype (bf16 under autocast): the loss takes them as they
   // are (nsa::CrossEntropyLoss), and a float32 copy is 6.6 GB at batch 16.
-  return torch::nn::functional::linear(x, embed_->weight);
+  return torch::nn::functional::linear(normed, embed_->weight);
 }
 
 torch::Tensor NsaTransformerImpl::last_gate_stats_tensor() const {
