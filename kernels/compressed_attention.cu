@@ -300,23 +300,18 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   const int rows = positions * hq;
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
 
-  // The lane's rows: m16 tile m, half h is CTA row 16 * (kM * warp + m) + g + 8h.
-  int64_t row_index[kM][2];  // into [B,T,H]
-  bool row_valid[kM][2];
+  // The lane's rows (m16 tile m, half h) and the compressed keys each sees.
+  const smem_fwd::LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
+  const auto& row_index = lr.index;
+  const auto& row_valid = lr.valid;
   int row_vis[kM][2];
 #pragma unroll
-  for (int m = 0; m < kM; ++m) {
+  for (int m = 0; m < kM; ++m)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * (kM * warp + m) + g + 8 * h;
-      row_valid[m][h] = r < rows;
-      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
-      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
-      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
-    }
-  }
+    for (int h = 0; h < 2; ++h)
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t0 + lr.pos[m][h], s.Tk, cmp_block, cmp_stride) : 0;
   uint32_t qf[kM][kKs][4];  // A fragments of Q, standard m16n8k16 layout
-  smem_fwd::LoadQ<D, kM>(qf, q, row_index, row_valid, lane);
+  smem_fwd::LoadRowFragments<D, kM>(qf, q, row_index, row_valid, lane);
   // Keys every row of the CTA sees (no mask needed below it) and keys the last row sees.
   const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
   const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
@@ -482,7 +477,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   constexpr int kStageBytes = 2 * Cfg::kTileBytes;
   extern __shared__ float smem[];
   const uint32_t smem_base = mma::SmemAddr(smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
   const int hq = s.hq();
   const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
   const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
@@ -490,36 +485,23 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   const int rows = positions * hq;
   const bool active = 16 * kM * warp < rows;
 
-  int64_t row_index[kM][2];
-  bool row_valid[kM][2];
+  const smem_fwd::LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
+  const auto& row_index = lr.index;
+  const auto& row_valid = lr.valid;
   int row_vis[kM][2];
   float row_lse[kM][2], row_delta[kM][2];
-  uint32_t qf[kM][kKs][4], df[kM][kKs][4];  // A fragments of Q and dO
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = 16 * (kM * warp + m) + g + 8 * h;
-      row_valid[m][h] = r < rows;
-      const int t = t0 + (row_valid[m][h] ? r / hq : 0);
-      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t) * s.H + grp * hq + (row_valid[m][h] ? r % hq : 0);
-      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+      row_vis[m][h] = row_valid[m][h] ? CmpVisible(t0 + lr.pos[m][h], s.Tk, cmp_block, cmp_stride) : 0;
       row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
       row_delta[m][h] = row_valid[m][h] ? delta[row_index[m][h]] : 0.f;
     }
-#pragma unroll
-    for (int ks = 0; ks < kKs; ++ks) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + row_index[m][h] * D);
-        const uint32_t* dr = reinterpret_cast<const uint32_t*>(dout + row_index[m][h] * D);
-        qf[m][ks][h] = row_valid[m][h] ? __ldg(qr + 8 * ks + c) : 0u;
-        qf[m][ks][2 + h] = row_valid[m][h] ? __ldg(qr + 8 * ks + 4 + c) : 0u;
-        df[m][ks][h] = row_valid[m][h] ? __ldg(dr + 8 * ks + c) : 0u;
-        df[m][ks][2 + h] = row_valid[m][h] ? __ldg(dr + 8 * ks + 4 + c) : 0u;
-      }
-    }
   }
+  uint32_t qf[kM][kKs][4], df[kM][kKs][4];  // A fragments of Q and dO
+  smem_fwd::LoadRowFragments<D, kM>(qf, q, row_index, row_valid, lane);
+  smem_fwd::LoadRowFragments<D, kM>(df, dout, row_index, row_valid, lane);
   const int vis_min = CmpVisible(t0, s.Tk, cmp_block, cmp_stride);
   const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
   const int tiles = (vis_end + kN - 1) / kN;

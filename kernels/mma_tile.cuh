@@ -235,6 +235,50 @@ struct FwdState {
   }
 };
 
+// The online-softmax update of one m16 tile for a step of kN keys (s: its scores, C layout):
+// scores `allowed(half, key)` rejects become -inf, the running max m (log2 units) and the
+// lane's partial row sums l move on, O is rescaled, and s becomes P = exp2(s - max), ready
+// for the P V product. Shared by the register kernels (FwdStep) and the shared-memory ones
+// (smem_fwd_tile.cuh).
+template <int D, int kN, typename Allowed>
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[kN / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                              float (&l)[2], float scale_log2, Allowed allowed, int lane) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[j][2 * half + e];
+        x = allowed(half, 8 * j + 2 * c + e) ? x * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, x);
+      }
+    }
+    const float m_new = fmaxf(m[half], QuadMax(mx));
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
+    const float alpha = exp2f(m[half] - base);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[j][2 * half + e];
+        x = exp2f(x - base);
+        sum += x;
+      }
+    }
+    l[half] = l[half] * alpha + sum;
+    m[half] = m_new;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][2 * half] *= alpha;
+      o[i][2 * half + 1] *= alpha;
+    }
+  }
+}
+
 // One step of the forward over keys [key0, key0 + count) (count <= kN) whose rows start at
 // k_rows / v_rows with a stride of `stride` elements. allowed(half, key) says whether the
 // lane's row g + 8*half may attend step-relative key `key` (< count is checked here).
@@ -242,7 +286,7 @@ template <bool kBf16, int D, int kN, typename scalar_t, typename Allowed>
 __device__ __forceinline__ void FwdStep(FwdState<D>& st, const RowFrag<D>& qa, const RowFrag<D>& qb,
                                         const scalar_t* k_rows, const scalar_t* v_rows, int64_t stride,
                                         int count, float scale_log2, Allowed allowed, int lane) {
-  const int g = lane >> 2, c = lane & 3;
+  const int g = lane >> 2;
   float s[kN / 8][4];
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
@@ -258,40 +302,8 @@ __device__ __forceinline__ void FwdStep(FwdState<D>& st, const RowFrag<D>& qa, c
     const int key = 8 * j + g;
     LoadRow<D>(vr[j], key < count ? v_rows + key * stride : nullptr, lane);
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = 8 * j + 2 * c + e;
-        float& x = s[j][2 * half + e];
-        x = (key < count && allowed(half, key)) ? x * scale_log2 : -INFINITY;
-        mx = fmaxf(mx, x);
-      }
-    }
-    const float m_new = fmaxf(st.m[half], QuadMax(mx));
-    const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
-    const float alpha = exp2f(st.m[half] - base);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = s[j][2 * half + e];
-        x = exp2f(x - base);
-        sum += x;
-      }
-    }
-    st.l[half] = st.l[half] * alpha + sum;
-    st.m[half] = m_new;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      st.o[i][2 * half] *= alpha;
-      st.o[i][2 * half + 1] *= alpha;
-    }
-  }
+  OnlineSoftmax<D, kN>(s, st.o, st.m, st.l, scale_log2,
+                       [&](int half, int key) { return key < count && allowed(half, key); }, lane);
   PRTile<kBf16, D, kN>(st.o, s, vr);
 }
 

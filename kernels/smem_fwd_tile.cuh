@@ -37,9 +37,33 @@ struct State {
   }
 };
 
-// A fragments of the lane's Q rows (row_index[t][h] into [rows, D]; invalid rows get zeros).
+// The lane's query rows in a CTA of flattened (position, head) rows of one (b, grp): m16 tile
+// m, half h is CTA row r = 16 (kM warp + m) + g + 8h, i.e. position t0 + r / hq, head
+// grp * hq + r % hq. Rows from `rows` on are invalid (they point at position t0, head grp * hq).
+template <int kM>
+struct LaneRows {
+  int64_t index[kM][2];  // into [B,T,H]
+  bool valid[kM][2];
+  int pos[kM][2];  // r / hq, the position relative to t0 (0 when invalid)
+  __device__ LaneRows(const Shape& s, int b, int grp, int t0, int rows, int warp, int lane) {
+    const int hq = s.hq();
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * (kM * warp + m) + (lane >> 2) + 8 * h;
+        valid[m][h] = r < rows;
+        pos[m][h] = valid[m][h] ? r / hq : 0;
+        index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + pos[m][h]) * s.H + grp * hq + (valid[m][h] ? r % hq : 0);
+      }
+    }
+  }
+};
+
+// A fragments (standard m16n8k16 layout) of the lane's rows of a [rows, D] tensor such as Q
+// or dO (row_index[t][h]; invalid rows get zeros).
 template <int D, int kM, typename scalar_t>
-__device__ __forceinline__ void LoadQ(uint32_t (&qf)[kM][D / 16][4], const scalar_t* q,
+__device__ __forceinline__ void LoadRowFragments(uint32_t (&qf)[kM][D / 16][4], const scalar_t* q,
                                       const int64_t (&row_index)[kM][2], const bool (&row_valid)[kM][2], int lane) {
   const int c = lane & 3;
 #pragma unroll
@@ -87,42 +111,10 @@ __device__ __forceinline__ void Scores(float (&sc)[kM][kN / 8][4], const uint32_
 template <bool kBf16, int D, int kM, int kN, typename Allowed>
 __device__ __forceinline__ void SoftmaxPV(State<D, kM>& st, float (&sc)[kM][kN / 8][4], uint32_t vbuf,
                                           float scale_log2, Allowed allowed, int lane) {
-  const int c = lane & 3;
 #pragma unroll
   for (int t = 0; t < kM; ++t) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = sc[t][n][2 * h + e];
-          x = allowed(t, h, 8 * n + 2 * c + e) ? x * scale_log2 : -INFINITY;
-          mx = fmaxf(mx, x);
-        }
-      }
-      const float m_new = fmaxf(st.m[t][h], mma::QuadMax(mx));
-      const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
-      const float alpha = exp2f(st.m[t][h] - base);
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < kN / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = sc[t][n][2 * h + e];
-          x = exp2f(x - base);
-          sum += x;
-        }
-      }
-      st.l[t][h] = st.l[t][h] * alpha + sum;
-      st.m[t][h] = m_new;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        st.o[t][i][2 * h] *= alpha;
-        st.o[t][i][2 * h + 1] *= alpha;
-      }
-    }
+    mma::OnlineSoftmax<D, kN>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
+                              [&](int h, int key) { return allowed(t, h, key); }, lane);
   }
   // P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
   // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).
@@ -204,30 +196,17 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float4 tiled_smem[];  // [2 stages][K tile, V tile], then the walk's data
   const uint32_t smem_base = mma::SmemAddr(tiled_smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, hq = s.hq();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hq = s.hq();
   const int t0 = static_cast<int>(blockIdx.x) * positions_per_cta;
   const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
   walk.Prepare(reinterpret_cast<unsigned char*>(tiled_smem) + 2 * Cfg::kStageBytes, s, b, grp, t0, positions);
 
-  int64_t row_index[kM][2];
-  bool row_valid[kM][2];
-  int row_t[kM][2], row_pos[kM][2];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * (kM * warp + m) + g + 8 * h;
-      row_valid[m][h] = r < rows;
-      row_pos[m][h] = row_valid[m][h] ? r / hq : 0;
-      row_t[m][h] = row_valid[m][h] ? t0 + r / hq : -1;  // -1: attends nothing
-      row_index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + row_pos[m][h]) * s.H + grp * hq +
-                        (row_valid[m][h] ? r % hq : 0);
-    }
-  }
+  // Invalid rows have Q = 0 and are never stored, so what they attend does not matter.
+  const LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
   uint32_t qf[kM][D / 16][4];
-  LoadQ<D, kM>(qf, q, row_index, row_valid, lane);
+  LoadRowFragments<D, kM>(qf, q, lr.index, lr.valid, lane);
   State<D, kM> st;
   st.Init();
 
@@ -258,13 +237,13 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
       SoftmaxPV<kBf16, D, kM, kN>(
           st, sc, buf + Cfg::kTileBytes, scale_log2,
           [&](int m, int h, int key) {
-            return key < count && (every_row || walk.Sees(blk, row_pos[m][h], row_t[m][h], key0 + key));
+            return key < count && (every_row || walk.Sees(blk, lr.pos[m][h], t0 + lr.pos[m][h], key0 + key));
           },
           lane);
     }
     blk = nxt;
   }
-  Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
+  Finish<kBf16, D, kM>(st, out, lse, lr.index, lr.valid, lane);
 }
 
 // Launches TiledFwdKernel over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32
