@@ -16,17 +16,27 @@ namespace {
 
 __device__ __forceinline__ float Sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
-template <typename scalar_t, int kVec>
-__global__ void __launch_bounds__(kThreads)
-    SwiGluForwardKernel(const scalar_t* __restrict__ joint, scalar_t* __restrict__ out,
-                        int64_t rows, int64_t F) {
+// Grid-stride walk over the kVec-feature chunks of every row of a joint [rows, 2F] tensor:
+// body(row, f, gate, up) with the row's gate and up values at features f .. f + kVec - 1.
+template <typename scalar_t, int kVec, typename Body>
+__device__ __forceinline__ void ForEachGateUpChunk(const scalar_t* __restrict__ joint, int64_t rows, int64_t F,
+                                                   Body body) {
   using Vec = Packed<scalar_t, kVec>;
   const int64_t chunks = F / kVec, items = rows * chunks;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
-    const Vec a = *reinterpret_cast<const Vec*>(joint + row * 2 * F + f);
-    const Vec b = *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f);
+    body(row, f, *reinterpret_cast<const Vec*>(joint + row * 2 * F + f),
+         *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f));
+  }
+}
+
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    SwiGluForwardKernel(const scalar_t* __restrict__ joint, scalar_t* __restrict__ out,
+                        int64_t rows, int64_t F) {
+  using Vec = Packed<scalar_t, kVec>;
+  ForEachGateUpChunk<scalar_t, kVec>(joint, rows, F, [&](int64_t row, int64_t f, const Vec& a, const Vec& b) {
     Vec y;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
@@ -34,7 +44,7 @@ __global__ void __launch_bounds__(kThreads)
       y.v[k] = static_cast<scalar_t>(g * Sigmoid(g) * static_cast<float>(b.v[k]));
     }
     *reinterpret_cast<Vec*>(out + row * F + f) = y;
-  }
+  });
 }
 
 // d gate = dout * up * s (1 + gate (1 - s)) with s = sigmoid(gate); d up = dout * silu(gate).
@@ -43,12 +53,7 @@ __global__ void __launch_bounds__(kThreads)
     SwiGluBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ joint,
                          scalar_t* __restrict__ djoint, int64_t rows, int64_t F) {
   using Vec = Packed<scalar_t, kVec>;
-  const int64_t chunks = F / kVec, items = rows * chunks;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
-    const Vec a = *reinterpret_cast<const Vec*>(joint + row * 2 * F + f);
-    const Vec b = *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f);
+  ForEachGateUpChunk<scalar_t, kVec>(joint, rows, F, [&](int64_t row, int64_t f, const Vec& a, const Vec& b) {
     const Vec d = *reinterpret_cast<const Vec*>(dout + row * F + f);
     Vec da, db;
 #pragma unroll
@@ -60,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     *reinterpret_cast<Vec*>(djoint + row * 2 * F + f) = da;
     *reinterpret_cast<Vec*>(djoint + row * 2 * F + F + f) = db;
-  }
+  });
 }
 
 void CheckJoint(const at::Tensor& joint) {
