@@ -94,11 +94,11 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
 // units) and, as its own forward returns them without dropout, empty RNG tensors.
 struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, int64_t window) {
+                               const torch::Tensor& v, int64_t window, bool tiled_forward) {
     const int64_t T = q.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
     torch::Tensor out, lse, rng_state, unused;
-    if (detail::UseTiledWindowForward(q)) {
+    if (tiled_forward) {
       auto [tiled_out, lse_log2] = detail::WindowForward(q, k, v, window);
       out = tiled_out;
       lse = (lse_log2 * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
@@ -126,7 +126,7 @@ struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
         grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], torch::Tensor(), torch::Tensor(), T,
         T, /*dropout_p=*/0.0, /*is_causal=*/true, s[5], s[6], scale, window - 1,
         /*window_size_right=*/0);
-    return {dq, dk, dv, torch::Tensor()};
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -175,9 +175,10 @@ torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B,T,*,D]");
   TORCH_CHECK(g.window > 0, "window must be positive");
-  detail::UseTiledWindowForward(q);  // a forced choice this input cannot take fails here, fp32 included
+  // A forced choice this input cannot take fails here, fp32 included.
+  const bool tiled_forward = detail::UseTiledWindowForward(q);
   if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
-    return SlidingWindowFlashFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window);
+    return SlidingWindowFlashFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, tiled_forward);
   }
   return SlidingWindowMasked(q, k, v, g.window);
 }
