@@ -12,6 +12,7 @@
 
 #include "fused_ops.h"
 #include "nsa_cuda.h"
+#include "test_names.h"
 
 namespace nsad::nsa {
 namespace {
@@ -24,7 +25,7 @@ struct LossCase {
 std::string LossName(const testing::TestParamInfo<LossCase>& info) {
   const LossCase& c = info.param;
   return "N" + std::to_string(c.N) + "_V" + std::to_string(c.V) +
-         (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16");
+         DtypeSuffix(c.dtype);
 }
 
 class CrossEntropyTest : public testing::TestWithParam<LossCase> {

@@ -20,6 +20,7 @@
 #include "fused_ops.h"
 #include "nsa/rope.h"
 #include "nsa_cuda.h"
+#include "test_names.h"
 
 namespace nsad::nsa {
 namespace {
@@ -33,7 +34,7 @@ std::string FusedName(const testing::TestParamInfo<FusedCase>& info) {
   const FusedCase& c = info.param;
   return "B" + std::to_string(c.B) + "_T" + std::to_string(c.T) + "_H" + std::to_string(c.H) +
          "_D" + std::to_string(c.D) +
-         (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16");
+         DtypeSuffix(c.dtype);
 }
 
 class FusedOpsTest : public testing::TestWithParam<FusedCase> {

@@ -22,6 +22,7 @@
 
 #include "nsa/ops.h"
 #include "nsa_cuda.h"
+#include "test_names.h"
 #include "kernel_choice.h"
 
 namespace nsad::nsa {
@@ -41,7 +42,7 @@ std::string Name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return "T" + std::to_string(c.T) + "_H" + std::to_string(c.H) + "_G" + std::to_string(c.G) +
          "_D" + std::to_string(c.D) +
-         (c.dtype == torch::kFloat ? "_fp32" : c.dtype == torch::kHalf ? "_fp16" : "_bf16") +
+         DtypeSuffix(c.dtype) +
          (c.small_geometry ? "_smallgeo" : "") +
          (c.slc_block ? "_slc" + std::to_string(c.slc_block) : "");
 }
@@ -98,6 +99,19 @@ class KernelsTest : public testing::TestWithParam<Case> {
   void CheckSelectedAttention();
   void CheckCompressedAttention();
   void CheckSlidingWindow();
+
+  // A selected-attention call under `choice` (which this shape cannot run) fails with a
+  // c10::Error instead of running another kernel.
+  void ExpectSelectedAttentionRefuses(const cuda::detail::SelectedKernelChoice& choice) {
+    const Case c = GetParam();
+    const int64_t NS = NumSlcBlocks(c.T, geo_);
+    const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+    const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+    const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+    const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+    const cuda::detail::ScopedSelectedKernelChoice force(choice);
+    EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
+  }
 
   Geometry geo_;
 };
@@ -188,13 +202,7 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   } else {
     choice.queries_per_item = 513;  // over the staged kernel's shared-memory positions
   }
-  const int64_t NS = NumSlcBlocks(c.T, geo_);
-  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
-  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
-  const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
-  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
-  const cuda::detail::ScopedSelectedKernelChoice force(choice);
-  EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
+  ExpectSelectedAttentionRefuses(choice);
 }
 
 // Fused dQ lives in the staged D=64 tensor-core builds only: fp32, D=128 and the unstaged
@@ -205,13 +213,7 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableFusedDq) {
   Choice choice;
   choice.dq = Choice::Dq::kFused;
   if (c.dtype != torch::kFloat && c.D == 64) choice.dkdv = Choice::DkDv::kUnstaged;
-  const int64_t NS = NumSlcBlocks(c.T, geo_);
-  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
-  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
-  const auto importance = torch::rand({1, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
-  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
-  const cuda::detail::ScopedSelectedKernelChoice force(choice);
-  EXPECT_THROW(cuda::SelectedAttention(q, kv, kv, idx, geo_), c10::Error);
+  ExpectSelectedAttentionRefuses(choice);
 }
 
 TEST_P(KernelsTest, CompressedAttentionForwardImportanceAndGradients) { CheckCompressedAttention(); }
@@ -353,18 +355,14 @@ TEST_P(KernelsTest, SlidingWindowForwardAndGradients) { CheckSlidingWindow(); }
 // FlashAttention-2's windowed forward, the path before the tiled one (kept for A/B timings):
 // same checks, and the backward then gets FlashAttention's own log-sum-exp.
 TEST_P(KernelsTest, SlidingWindowFlashForward) {
-  cuda::detail::WindowKernelChoice choice;
-  choice.forward = cuda::detail::WindowKernelChoice::Forward::kFlash;
-  const cuda::detail::ScopedWindowKernelChoice force(choice);  // restored on failure too
-  CheckSlidingWindow();
+  const cuda::detail::ScopedWindowKernelChoice force({cuda::detail::WindowKernelChoice::Forward::kFlash});
+  CheckSlidingWindow();  // the choice is restored on failure too
 }
 
 // The tiled window forward where auto does not take it (head_dim 128), and everywhere else.
 TEST_P(KernelsTest, SlidingWindowTiledForward) {
   if (GetParam().dtype == torch::kFloat) GTEST_SKIP() << "fp32 has the masked path only";
-  cuda::detail::WindowKernelChoice choice;
-  choice.forward = cuda::detail::WindowKernelChoice::Forward::kTiled;
-  const cuda::detail::ScopedWindowKernelChoice force(choice);
+  const cuda::detail::ScopedWindowKernelChoice force({cuda::detail::WindowKernelChoice::Forward::kTiled});
   CheckSlidingWindow();
 }
 
@@ -373,9 +371,7 @@ TEST_P(KernelsTest, SlidingWindowTiledForward) {
 TEST_P(KernelsTest, SlidingWindowRejectsATiledForwardItCannotRun) {
   const Case c = GetParam();
   if (c.dtype != torch::kFloat) GTEST_SKIP() << "bf16/fp16 at D=64/128 take the tiled forward";
-  cuda::detail::WindowKernelChoice choice;
-  choice.forward = cuda::detail::WindowKernelChoice::Forward::kTiled;
-  const cuda::detail::ScopedWindowKernelChoice force(choice);
+  const cuda::detail::ScopedWindowKernelChoice force({cuda::detail::WindowKernelChoice::Forward::kTiled});
   const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
   const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
   EXPECT_THROW(cuda::SlidingWindowAttention(q, kv, kv, geo_), c10::Error);
