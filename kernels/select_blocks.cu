@@ -4,9 +4,14 @@
 // the one before it are always chosen; the remaining slots take the highest importance,
 // ties to the lower block index; output ascending, unused slots -1.
 //
-// The top-k picks walk the candidates in the strict order (importance desc, index asc): each
-// round takes the best candidate that comes after the previous pick in that order, so no
-// "already taken" marks are needed and ties resolve exactly as the reference's stable sort.
+// Rows with up to 32 candidates rank them in one pass, one per lane. Longer rows first find
+// a threshold, the (n-3)-th best of the 32 lanes' own best candidates: at least n - 3
+// candidates come at or before it, so every pick does. The candidates at or before it are
+// compacted in index order (typically 13-25 of up to 1,022) and ranked in one pass like a
+// short row. When more than 32 qualify (one lane holding most of the best blocks), the row
+// falls back to n - 3 rounds of warp argmax, each round taking the best candidate that comes
+// after the previous pick in (importance desc, index asc) order, so no "already taken" marks
+// are needed and ties resolve exactly as the reference's stable sort.
 #include "launch_util.cuh"
 
 namespace nsad::nsa::cuda::detail {
@@ -23,9 +28,73 @@ __device__ __forceinline__ bool Before(const Candidate& a, const Candidate& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
+// A row's importance of block i, NaN read as -inf (never preferred, never an error).
+__device__ __forceinline__ float Importance(const float* __restrict__ imp, int i) {
+  const float value = imp[i];
+  return isnan(value) ? -INFINITY : value;
+}
+
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+// Lanes [0, count) hold candidates in ascending index order (count <= 32, warp-uniform): a
+// candidate is picked iff fewer than `picks` others come before it in (importance desc, index
+// asc) order. Picked candidates keep the lanes' order, so they land in dst ascending.
+__device__ __forceinline__ void PickBest(const Candidate& mine, int count, int picks, int* dst,
+                                         int lane) {
+  int before = 0;
+  for (int j = 0; j < count; ++j) {
+    const Candidate other{__shfl_sync(kFullWarp, mine.value, j), __shfl_sync(kFullWarp, mine.index, j)};
+    if (Before(other, mine)) ++before;
+  }
+  const bool picked = lane < count && before < picks;
+  const unsigned picked_mask = __ballot_sync(kFullWarp, picked);
+  if (picked) dst[__popc(picked_mask & ((1u << lane) - 1u))] = mine.index;
+}
+
+// Candidates 1 .. last (last > 32; lane l holds 1 + l, 33 + l, ...). The threshold is the
+// picks-th best of the lanes' own best candidates; candidates at or before it are compacted,
+// in index order, into the warp's 32 slots and ranked by PickBest. Returns false, writing
+// nothing, when more than 32 qualify.
+__device__ __forceinline__ bool PickThroughThreshold(const float* __restrict__ imp, int last,
+                                                     int picks, int* dst, int lane,
+                                                     Candidate* slots) {
+  if (picks == 0) return true;  // top_n = 3: the forced blocks only
+  // The lane's best: its candidates ascend in index, so the first maximum wins ties. The lane's
+  // first candidate (1 + lane <= last) stands in when all its values are -inf.
+  Candidate best{-INFINITY, 1 + lane};
+  for (int i = 1 + lane; i <= last; i += 32) {
+    const float value = Importance(imp, i);
+    if (value > best.value) best = Candidate{value, i};
+  }
+  int before = 0;
+  for (int j = 0; j < 32; ++j) {
+    const Candidate other{__shfl_sync(kFullWarp, best.value, j), __shfl_sync(kFullWarp, best.index, j)};
+    if (Before(other, best)) ++before;
+  }
+  // Lane bests are distinct (distinct indices), so exactly one has rank picks - 1 <= 28.
+  const int at = __ffs(__ballot_sync(kFullWarp, before == picks - 1)) - 1;
+  const Candidate threshold{__shfl_sync(kFullWarp, best.value, at), __shfl_sync(kFullWarp, best.index, at)};
+  int count = 0;
+  for (int base = 1; base <= last; base += 32) {  // warp-uniform: every lane meets the ballot
+    const int i = base + lane;
+    const Candidate c{i <= last ? Importance(imp, i) : -INFINITY, i};
+    const bool keep = i <= last && !Before(threshold, c);
+    const unsigned keep_mask = __ballot_sync(kFullWarp, keep);
+    const int slot = count + __popc(keep_mask & ((1u << lane) - 1u));
+    if (keep && slot < 32) slots[slot] = c;
+    count += __popc(keep_mask);
+  }
+  if (count > 32) return false;
+  __syncwarp();  // the slots are written
+  const Candidate mine = lane < count ? slots[lane] : Candidate{-INFINITY, INT_MAX};
+  PickBest(mine, count, picks, dst, lane);
+  return true;
+}
+
 __global__ void __launch_bounds__(kThreads)
     SelectBlocksKernel(const float* __restrict__ importance, int* __restrict__ out, int64_t rows,
                        int T, int G, int NS, int n, int slc_block) {
+  __shared__ Candidate compacted[kThreads];  // 32 slots per warp, for PickThroughThreshold
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // whole warps exit together
@@ -35,47 +104,43 @@ __global__ void __launch_bounds__(kThreads)
   const int eligible = min(current + 1, NS);  // blocks 0..current start at or before t
 
   int* dst = out + row * n;
-  if (eligible > n && current - 2 <= 32) {
-    // Every candidate (blocks 1 .. current-2) fits one per lane, as at T <= 2048 with l' = 64:
-    // a candidate is picked iff fewer than n - 3 others come before it in (importance desc,
-    // index asc) order, one pass of 32 compares instead of n - 3 rounds of warp argmax.
-    // Picked candidates are already ascending by lane and lie between block 0 and the
-    // forced current - 1, current; exactly n - 3 of them are picked (there are >= n - 2).
-    const int index = 1 + lane;
-    const bool candidate = index <= current - 2;
-    float value = candidate ? imp[index] : -INFINITY;
-    if (isnan(value)) value = -INFINITY;
-    const Candidate mine{value, index};
-    int before = 0;
-    for (int j = 0; j < 32; ++j) {
-      const Candidate other{__shfl_sync(0xffffffffu, value, j), 1 + j};
-      if (1 + j <= current - 2 && Before(other, mine)) ++before;
+  const int last = current - 2;  // candidates: blocks 1 .. current-2 (0, current-1, current are forced)
+  const int picks = n - 3;
+  if (eligible > n) {
+    bool ranked = false;
+    if (last <= 32) {
+      // Every candidate fits one per lane, as at T <= 2048 with l' = 64.
+      const Candidate mine{lane < last ? Importance(imp, 1 + lane) : -INFINITY, 1 + lane};
+      PickBest(mine, last, picks, dst + 1, lane);
+      ranked = true;
+    } else {
+      ranked = PickThroughThreshold(imp, last, picks, dst + 1, lane,
+                                    compacted + (threadIdx.x & ~31));
     }
-    const bool picked = candidate && before < n - 3;
-    const unsigned picked_mask = __ballot_sync(0xffffffffu, picked);
-    if (picked) dst[1 + __popc(picked_mask & ((1u << lane) - 1u))] = index;
-    if (lane == 0) {
-      dst[0] = 0;
-      dst[n - 2] = current - 1;
-      dst[n - 1] = current;
+    if (ranked) {
+      // The picks lie strictly between block 0 and the forced current - 1, current.
+      if (lane == 0) {
+        dst[0] = 0;
+        dst[n - 2] = current - 1;
+        dst[n - 1] = current;
+      }
+      return;
     }
-    return;
   }
   int chosen = -1;  // the block this lane holds, sorted into place below
   if (eligible <= n) {
     chosen = lane < eligible ? lane : -1;  // every eligible block fits, already ascending
   } else {
-    // current >= n >= 3, so 0, current-1 and current are distinct; picks come from 1..current-2.
+    // The fallback of long rows. current >= n >= 3, so 0, current-1 and current are
+    // distinct; picks come from 1..current-2.
     if (lane == 0) chosen = 0;
     if (lane == 1) chosen = current - 1;
     if (lane == 2) chosen = current;
     Candidate prev{INFINITY, -1};
     for (int pick = 3; pick < n; ++pick) {
       Candidate best{-INFINITY, INT_MAX};
-      for (int i = 1 + lane; i <= current - 2; i += 32) {
-        float value = imp[i];
-        if (isnan(value)) value = -INFINITY;
-        const Candidate c{value, i};
+      for (int i = 1 + lane; i <= last; i += 32) {
+        const Candidate c{Importance(imp, i), i};
         if (Before(prev, c) && (best.index == INT_MAX || Before(c, best))) best = c;
       }
       for (int o = 16; o > 0; o >>= 1) {

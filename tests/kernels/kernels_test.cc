@@ -320,20 +320,29 @@ TEST_P(KernelsTest, SelectBlocksResolvesTiesToTheLowerIndex) {
 }
 
 // The selection at the lengths the benchmarks use (64k tokens: 1,024 blocks per row, far more
-// than the other cases' 71) and past them, with distinct values and with many ties. Every 7th
-// row is checked against the CPU oracle (it sorts each row), plus the last rows, which have
-// the most candidates.
+// than the other cases' 71) and past them, with distinct values, with many ties, and with one
+// lane's blocks (1, 33, 65, ...) ahead of all others, so that more than 32 candidates pass
+// the kernel's threshold and it takes its fallback. Every 7th row is checked against the CPU
+// oracle (it sorts each row), plus the last rows, which have the most candidates.
 TEST(SelectBlocksLongRows, FollowTheRules) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
   const Geometry geo;
   const auto cuda_opts = torch::TensorOptions().device(torch::kCUDA);
+  enum class Values { kDistinct, kTies, kOneLaneAhead };
   for (const int64_t T : {65536, 70000}) {
-    for (const bool ties : {false, true}) {
+    for (const Values values : {Values::kDistinct, Values::kTies, Values::kOneLaneAhead}) {
       const int64_t NS = NumSlcBlocks(T, geo);
-      torch::manual_seed(T + ties);
-      const auto importance = ties ? torch::randint(0, 3, {1, T, 1, NS}, cuda_opts).to(torch::kFloat)
-                                   : torch::rand({1, T, 1, NS}, cuda_opts);
+      torch::manual_seed(T + static_cast<int>(values));
+      torch::Tensor importance;
+      switch (values) {
+        case Values::kDistinct: importance = torch::rand({1, T, 1, NS}, cuda_opts); break;
+        case Values::kTies: importance = torch::randint(0, 3, {1, T, 1, NS}, cuda_opts).to(torch::kFloat); break;
+        case Values::kOneLaneAhead:
+          importance = torch::rand({1, T, 1, NS}, cuda_opts) +
+                       (torch::arange(NS, cuda_opts).remainder(32) == 1).to(torch::kFloat);
+          break;
+      }
       const auto got = cuda::SelectBlocks(importance, T, geo).cpu();
       const auto imp = importance.cpu().contiguous();
       int64_t mismatches = 0, checked = 0;
@@ -344,9 +353,32 @@ TEST(SelectBlocksLongRows, FollowTheRules) {
         for (int64_t i = 0; i < geo.top_n; ++i)
           mismatches += got.data_ptr<int>()[t * geo.top_n + i] != want[i];
       }
-      EXPECT_EQ(mismatches, 0) << "T=" << T << (ties ? ", with ties" : "");
+      EXPECT_EQ(mismatches, 0) << "T=" << T << ", values " << static_cast<int>(values);
       EXPECT_GT(checked, T / 8);
     }
+  }
+}
+
+// The smallest and largest top_n the kernel takes (3: forced blocks only; 32: one per lane)
+// on long rows.
+TEST(SelectBlocksLongRows, SmallestAndLargestTopN) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto cuda_opts = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t T = 65536;
+  for (const int top_n : {3, 32}) {
+    Geometry geo;
+    geo.top_n = top_n;
+    const int64_t NS = NumSlcBlocks(T, geo);
+    torch::manual_seed(top_n);
+    const auto importance = torch::rand({1, T, 1, NS}, cuda_opts);
+    const auto got = cuda::SelectBlocks(importance, T, geo).cpu();
+    const auto imp = importance.cpu().contiguous();
+    int64_t mismatches = 0;
+    for (int64_t t = 0; t < T; t += 61) {
+      const auto want = SelectRow(imp.data_ptr<float>() + t * NS, t, NS, geo);
+      for (int64_t i = 0; i < top_n; ++i) mismatches += got.data_ptr<int>()[t * top_n + i] != want[i];
+    }
+    EXPECT_EQ(mismatches, 0) << "top_n=" << top_n;
   }
 }
 
