@@ -263,7 +263,11 @@ struct CmpSmemCfg {
   static constexpr int kXld = 8 * kSbTiles + 4;  // floats per row of staged X
   static constexpr int kFwdSmem = 2 * 2 * kTileBytes;  // K and V, two stages
   static constexpr int kMaxCarry = 4;  // selection blocks a tile shares with the next
-  static constexpr int kImpSmem = 2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4;
+  // W's B fragments, one uint2 per lane per (k16 step, n8 tile): read from shared memory
+  // instead of held in 40 registers, which kept the pass at two CTAs per SM.
+  static constexpr int kWFragBytes = kN / 16 * kSbTiles * 32 * 8;
+  static constexpr int kImpSmem =
+      2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4 + kWFragBytes;
 };
 
 // (a, b) as fp16 pairs hi + lo: hi rounded, lo the rounding residual.
@@ -330,11 +334,11 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
 
   // Forward state (unused by the importance pass; the compiler drops it there).
   smem_fwd::State<D, kM> st;
-  // Importance state: the lane's lse, W's B fragments (fp16), the staged X rows.
+  // Importance state: the lane's lse, the staged X rows, W's B fragments (fp16).
   float row_lse[kM][2];
-  uint32_t wf[kN / 16][Cfg::kSbTiles][2];
   float* const xs = smem + 2 * Cfg::kTileBytes / 4;
   float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
+  uint2* const w_frags = reinterpret_cast<uint2*>(carry_s + 2 * Cfg::kRows * Cfg::kMaxCarry);
   int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
   if constexpr (!kImportance) {
     st.Init();
@@ -350,14 +354,12 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
       const int hi = min(j * cmp_stride + cmp_block, (n + 1) * slc_block);
       return static_cast<float>(max(0, hi - lo));
     };
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-#pragma unroll
-      for (int n = 0; n < Cfg::kSbTiles; ++n) {
-        const int j = 16 * kk + 2 * c, col = 8 * n + g;
-        wf[kk][n][0] = mma::Pack<false>(overlap(j, col), overlap(j + 1, col));
-        wf[kk][n][1] = mma::Pack<false>(overlap(j + 8, col), overlap(j + 9, col));
-      }
+    // Every lane's fragments, [k16 step][n8 tile][lane]; the first tile's barrier publishes them.
+    for (int i = threadIdx.x; i < kN / 16 * Cfg::kSbTiles * 32; i += Cfg::kThreads) {
+      const int ln = i & 31, kk = i / (32 * Cfg::kSbTiles), n = (i / 32) % Cfg::kSbTiles;
+      const int j = 16 * kk + 2 * (ln & 3), col = 8 * n + (ln >> 2);
+      w_frags[i] = make_uint2(mma::Pack<false>(overlap(j, col), overlap(j + 1, col)),
+                              mma::Pack<false>(overlap(j + 8, col), overlap(j + 9, col)));
     }
   }
 
@@ -407,8 +409,9 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
 #pragma unroll
             for (int n = 0; n < Cfg::kSbTiles; ++n) {
               if (n < sb_tiles) {
-                mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], wf[kk][n][0], wf[kk][n][1]);
-                mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], wf[kk][n][0], wf[kk][n][1]);
+                const uint2 w = w_frags[(kk * Cfg::kSbTiles + n) * 32 + lane];
+                mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], w.x, w.y);
+                mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], w.x, w.y);
               }
             }
           }
