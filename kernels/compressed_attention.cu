@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int half = e >> 1, col = 8 * j + 2 * c + (e & 1);
-          const float p = key0 + col < rows.visible[half] ? exp2f(sc[e] * scale_log2 - row_lse[half]) : 0.f;
+          const float p = key0 + col < rows.visible[half] ? mma::Exp2(sc[e] * scale_log2 - row_lse[half]) : 0.f;
           p_s[(16 * warp + g + 8 * half) * kStride + col] = p;
         }
       }
@@ -340,6 +340,11 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
   float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
   uint2* const w_frags = reinterpret_cast<uint2*>(carry_s + 2 * Cfg::kRows * Cfg::kMaxCarry);
   int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
+  // Importance row of the CTA's first position; positions are G * NS floats apart.
+  float* const imp_rows =
+      kImportance ? importance + (static_cast<int64_t>(b) * s.T + t0) * s.G * NS + static_cast<int64_t>(grp) * NS
+                  : nullptr;
+  const int imp_pos_stride = s.G * NS;
   if constexpr (!kImportance) {
     st.Init();
   } else {
@@ -393,7 +398,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
             for (int e = 0; e < 4; ++e) {
               const int h = e >> 1, key = key0 + 8 * n + 2 * c + (e & 1);
               float& x = sc[m][n][e];
-              x = (!masked || key < row_vis[m][h]) ? exp2f(x * scale_log2 - row_lse[m][h]) : 0.f;
+              x = (!masked || key < row_vis[m][h]) ? mma::Exp2(x * scale_log2 - row_lse[m][h]) : 0.f;
             }
           }
           float xa[Cfg::kSbTiles][4];
@@ -436,16 +441,24 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
       const int ncol = sb_hi - sb_lo + 1;
       const float* carry_in = carry_s + (tile & 1) * Cfg::kRows * Cfg::kMaxCarry;
       float* carry_out = carry_s + ((tile + 1) & 1) * Cfg::kRows * Cfg::kMaxCarry;
-      for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
-        const int pos = i / ncol, col = i - pos * ncol;
+      // Items (pos, col) = thread + k kThreads, walked without a division per item.
+      const int step_pos = Cfg::kThreads / ncol, step_col = Cfg::kThreads - step_pos * ncol;
+      int pos = threadIdx.x / ncol, col = threadIdx.x - pos * ncol;
+      while (pos < positions) {
         const float* x = xs + pos * hq * Cfg::kXld + col;
         float sum = col < carried ? carry_in[pos * Cfg::kMaxCarry + col] : 0.f;
         for (int h = 0; h < hq; ++h) sum += x[h * Cfg::kXld];
         const int sb = sb_lo + col;
         if (sb < sb_next)
-          importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb] = sum;
+          imp_rows[static_cast<int64_t>(pos) * imp_pos_stride + sb] = sum;
         else
           carry_out[pos * Cfg::kMaxCarry + sb - sb_next] = sum;
+        pos += step_pos;
+        col += step_col;
+        if (col >= ncol) {
+          col -= ncol;
+          ++pos;
+        }
       }
       carried = sb_hi + 1 - sb_next;
       sb_end = sb_next;
@@ -456,7 +469,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
     const int ncol = NS - sb_end;
     for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
       const int pos = i / ncol, col = i - pos * ncol;
-      importance[((static_cast<int64_t>(b) * s.T + t0 + pos) * s.G + grp) * NS + sb_end + col] = 0.f;
+      imp_rows[static_cast<int64_t>(pos) * imp_pos_stride + sb_end + col] = 0.f;
     }
   }
 
@@ -577,7 +590,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
           for (int e = 0; e < 4; ++e) {
             const int h = e >> 1, key = key0 + 16 * kk + 8 * nn + 2 * c + (e & 1);
             const bool ok = !masked || key < row_vis[m][h];
-            const float p = ok ? exp2f(sc[m][nn][e] * scale_log2 - row_lse[m][h]) : 0.f;
+            const float p = ok ? mma::Exp2(sc[m][nn][e] * scale_log2 - row_lse[m][h]) : 0.f;
             sc[m][nn][e] = p * (dp[m][nn][e] - row_delta[m][h]);  // dS
           }
         }
@@ -798,7 +811,7 @@ __global__ void __launch_bounds__(CmpDkDvCfg<D>::kThreads)
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * j + 2 * c + (e & 1), h = e >> 1;
         const int t = reinterpret_cast<const int*>(info)[2 * kR + col];
-        const float p = t >= min_t[h] ? exp2f(st[j][e] * scale_log2 - info[col]) : 0.f;
+        const float p = t >= min_t[h] ? mma::Exp2(st[j][e] * scale_log2 - info[col]) : 0.f;
         st[j][e] = p;
         dpt[j][e] = p * (dpt[j][e] - info[kR + col]);  // dS^T
       }

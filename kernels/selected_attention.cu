@@ -451,14 +451,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// 2^x on the SFU (ex2.approx, relative error ~2^-22): exp2f's slow-path handling costs more
-// instructions than the rest of the per-element softmax here.
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
 // chunk ch ^ 4*(r & 1), so the 8 lanes of a quarter-warp (rows 2m, 2m+1, chunks 4i..4i+3)
 // hit all 32 banks once when they read their RowFrag pieces.
@@ -672,7 +664,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
           const int t = __float_as_int(m.z);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const float p = key_cut[half] <= t ? Exp2(st[j][2 * half + e] * scale_log2 - m.x) : 0.f;
+            const float p = key_cut[half] <= t ? mma::Exp2(st[j][2 * half + e] * scale_log2 - m.x) : 0.f;
             st[j][2 * half + e] = p;
             dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - m.y);  // dS^T
           }
