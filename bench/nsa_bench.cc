@@ -376,8 +376,8 @@ int main(int argc, char** argv) {
   }
 
   std::printf("batch %lld\n", static_cast<long long>(batch));
-  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s | %9s %9s %7s\n",
-              "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb",
+  std::printf("%6s %4s %6s | %9s %9s %6s | %9s %9s %6s %6s | %7s %7s | fwd ms: %7s %7s %7s %7s | %9s %9s %7s\n",
+              "seq", "D", "H:G", "dense_f", "nsa_f", "x_f", "dense_fb", "nsa_fb", "x_fb", "x_b",
               "TF/s_d", "TF/s_n", "cmp", "select", "slc", "win", "cudnn_f", "cudnn_fb", "GB/s_n");
   for (const int64_t T : seqs) {
     const PairCounts pairs = CountPairs(T, geo);
@@ -440,15 +440,18 @@ int main(int argc, char** argv) {
         const double bytes_n = NsaBytes(B, T, H, G, D, geo);
         char heads[16];
         std::snprintf(heads, sizeof(heads), "%lld:%lld", static_cast<long long>(H), static_cast<long long>(G));
-        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f | %9s %9s %7.1f\n",
+        // Backward alone (issue #5's second target): forward+backward minus forward.
+        const double x_b = (dense_fb - dense_f) / (nsa_fb - nsa_f);
+        std::printf("%6lld %4lld %6s | %9.3f %9.3f %6.2f | %9.3f %9.3f %6.2f %6.2f | %7.1f %7.1f | %15.3f %7.3f %7.3f %7.3f | %9s %9s %7.1f\n",
                     static_cast<long long>(T), static_cast<long long>(D), heads, dense_f, nsa_f,
-                    dense_f / nsa_f, dense_fb, nsa_fb, dense_fb / nsa_fb, flop_d / dense_f / 1e9,
+                    dense_f / nsa_f, dense_fb, nsa_fb, dense_fb / nsa_fb, x_b, flop_d / dense_f / 1e9,
                     flop_n / nsa_f / 1e9, cmp_f, sel_f, slc_f, win_f, cudnn.Fwd().c_str(),
                     cudnn.FwdBwd().c_str(), bytes_n / nsa_f / 1e6);
         std::fflush(stdout);
       }
     }
   }
-  std::printf("x_f / x_fb: dense time over NSA time (forward; forward+backward). TF/s: forward.\n");
+  std::printf("x_f / x_fb / x_b: dense time over NSA time (forward; forward+backward; backward, taken as\n"
+              "forward+backward minus forward). TF/s: forward.\n");
   return 0;
 }

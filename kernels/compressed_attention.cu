@@ -283,11 +283,12 @@ __host__ __device__ inline int CmpTileSpan(int kN, int cmp_block, int cmp_stride
   return ((kN - 1) * cmp_stride + cmp_block - 1) / slc_block + 1;
 }
 
-// The importance pass at D=64 is budgeted for four CTAs per SM (128 registers, 52 bytes of
-// spill; 164 registers and three CTAs without the bound): 64k D64 12:2 1.90 -> 1.82 ms on H100.
-// At D=128 a two-CTA budget (32 bytes of spill) measured no faster, so it has none.
+// Register budgets of the importance pass, measured on H100 at 64k: D=64 four CTAs per SM
+// (128 registers, 52 bytes of spill; 164 and three CTAs without the bound), 1.90 -> 1.82 ms at
+// 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
+// registers and forward + importance went 5.84 -> 6.99 ms at 12:2, 29.5 -> 34.3 ms at 64:4.
 template <typename scalar_t, int D, bool kImportance>
-__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance && D == 64 ? 4 : 1)
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 64 ? 4 : 2) : 1)
     CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                   const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
                   float* __restrict__ lse, float* __restrict__ importance, Shape s,
