@@ -36,16 +36,22 @@ __device__ __forceinline__ float Importance(const float* __restrict__ imp, int i
 
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// Lanes [0, count) hold candidates in ascending index order (count <= 32, warp-uniform): a
-// candidate is picked iff fewer than `picks` others come before it in (importance desc, index
-// asc) order. Picked candidates keep the lanes' order, so they land in dst ascending.
-__device__ __forceinline__ void PickBest(const Candidate& mine, int count, int picks, int* dst,
-                                         int lane) {
+// How many of lanes [0, count)'s candidates come before this lane's (count warp-uniform).
+__device__ __forceinline__ int CountBefore(const Candidate& mine, int count) {
   int before = 0;
   for (int j = 0; j < count; ++j) {
     const Candidate other{__shfl_sync(kFullWarp, mine.value, j), __shfl_sync(kFullWarp, mine.index, j)};
     if (Before(other, mine)) ++before;
   }
+  return before;
+}
+
+// Lanes [0, count) hold candidates in ascending index order (count <= 32, warp-uniform): a
+// candidate is picked iff fewer than `picks` others come before it in (importance desc, index
+// asc) order. Picked candidates keep the lanes' order, so they land in dst ascending.
+__device__ __forceinline__ void PickBest(const Candidate& mine, int count, int picks, int* dst,
+                                         int lane) {
+  const int before = CountBefore(mine, count);  // every lane: it shuffles over the full warp
   const bool picked = lane < count && before < picks;
   const unsigned picked_mask = __ballot_sync(kFullWarp, picked);
   if (picked) dst[__popc(picked_mask & ((1u << lane) - 1u))] = mine.index;
@@ -66,13 +72,8 @@ __device__ __forceinline__ bool PickThroughThreshold(const float* __restrict__ i
     const float value = Importance(imp, i);
     if (value > best.value) best = Candidate{value, i};
   }
-  int before = 0;
-  for (int j = 0; j < 32; ++j) {
-    const Candidate other{__shfl_sync(kFullWarp, best.value, j), __shfl_sync(kFullWarp, best.index, j)};
-    if (Before(other, best)) ++before;
-  }
   // Lane bests are distinct (distinct indices), so exactly one has rank picks - 1 <= 28.
-  const int at = __ffs(__ballot_sync(kFullWarp, before == picks - 1)) - 1;
+  const int at = __ffs(__ballot_sync(kFullWarp, CountBefore(best, 32) == picks - 1)) - 1;
   const Candidate threshold{__shfl_sync(kFullWarp, best.value, at), __shfl_sync(kFullWarp, best.index, at)};
   int count = 0;
   for (int base = 1; base <= last; base += 32) {  // warp-uniform: every lane meets the ballot
@@ -144,8 +145,8 @@ __global__ void __launch_bounds__(kThreads)
         if (Before(prev, c) && (best.index == INT_MAX || Before(c, best))) best = c;
       }
       for (int o = 16; o > 0; o >>= 1) {
-        const Candidate other{__shfl_xor_sync(0xffffffffu, best.value, o),
-                              __shfl_xor_sync(0xffffffffu, best.index, o)};
+        const Candidate other{__shfl_xor_sync(kFullWarp, best.value, o),
+                              __shfl_xor_sync(kFullWarp, best.index, o)};
         if (other.index != INT_MAX && (best.index == INT_MAX || Before(other, best))) best = other;
       }
       if (lane == pick) chosen = best.index;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
   // Rank of this lane's block among the chosen ones (all distinct) = its output slot.
   int rank = 0, used = 0;
   for (int m = 0; m < n; ++m) {
-    const int other = __shfl_sync(0xffffffffu, chosen, m);
+    const int other = __shfl_sync(kFullWarp, chosen, m);
     if (other >= 0) {
       ++used;
       if (chosen >= 0 && other < chosen) ++rank;
