@@ -4,7 +4,7 @@
 //
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
-//             [--slc-fwd auto|rows|heads|tiled] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
+//             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
 //             [--slc-dq auto|query|fused] [--slc-qpc N] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|registers]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
@@ -61,7 +61,7 @@ namespace nsa_cuda = nsad::nsa::cuda;
 using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
 constexpr std::pair<const char*, Choice::Fwd> kFwdNames[] = {
     {"auto", Choice::Fwd::kAuto}, {"rows", Choice::Fwd::kRows}, {"heads", Choice::Fwd::kHeads},
-    {"tiled", Choice::Fwd::kTiled}};
+    {"tiled", Choice::Fwd::kTiled}, {"blocks", Choice::Fwd::kBlocks}};
 constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
     {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
     {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
@@ -286,7 +286,7 @@ int main(int argc, char** argv) {
     }
     else if (a == "--slc-fwd") {
       if (!FromName(kFwdNames, argv[i + 1], choice.fwd)) {
-        std::fprintf(stderr, "--slc-fwd takes auto|rows|heads|tiled\n");
+        std::fprintf(stderr, "--slc-fwd takes auto|rows|heads|tiled|blocks\n");
         return 2;
       }
     } else if (a == "--slc-dkdv") {

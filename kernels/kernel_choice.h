@@ -20,9 +20,10 @@ struct SelectedKernelChoice {
   // Forward and dQ on tensor cores (bf16/fp16 inputs): per position, the group's heads as
   // the MMA rows (kHeads), or flattened (position, head) rows over the union of neighbours'
   // blocks (kRows, needs top_n <= 32). kTiled: the forward over shared-memory tiles of the
-  // union of up to 32 positions' blocks (dQ then follows the auto rule). fp32 inputs have
-  // one scalar kernel and take kAuto only.
-  enum class Fwd { kAuto, kRows, kHeads, kTiled };
+  // union of up to 32 positions' blocks (dQ then follows the auto rule). kBlocks: the forward
+  // key-centric, one partial result per selected block, combined after (long sequences; dQ
+  // follows the auto rule). fp32 inputs have one scalar kernel and take kAuto only.
+  enum class Fwd { kAuto, kRows, kHeads, kTiled, kBlocks };
   // dK/dV on tensor cores: the staged kernel in one of its D=64 register budgets (rows per
   // step x CTAs per SM; kAuto picks 32x3 at D=64 and the single D=128 build, 16x1), or the
   // unstaged mma::DkDvMmaKernel (any D). fp32 inputs take kAuto only.
@@ -36,8 +37,9 @@ struct SelectedKernelChoice {
   Fwd fwd = Fwd::kAuto;
   DkDv dkdv = DkDv::kAuto;
   Dq dq = Dq::kAuto;
-  // Queries per dK/dV work item (every dtype): 0 is the measured default (128), else 1..512
-  // (the staged kernel keeps the item's positions in shared memory).
+  // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
+  // the measured default (128), else 1..512 (the kernels keep the item's positions in shared
+  // memory).
   int queries_per_item = 0;
 };
 

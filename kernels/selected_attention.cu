@@ -5,8 +5,10 @@
 //
 // Forward and dQ are query-centric. Where neighbouring positions share their blocks (short
 // sequences) the forward runs over shared-memory tiles (smem_fwd::TiledFwdKernel with
-// ChosenBlocksWalk, below);
-// otherwise, and for the query-side dQ, two register kernels picked by shape (UseRowsKernel):
+// ChosenBlocksWalk, below). Where they share few (long sequences, small groups) it is
+// key-centric instead: one partial result per selected block, combined per position
+// (selected_block_forward.cuh, UseBlockForward). Otherwise, and for the query-side dQ, two
+// register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
 //     consecutive positions share a CTA so their common blocks come from L1.
@@ -38,6 +40,7 @@
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
 #include "smem_fwd_tile.cuh"
+#include "selected_block_forward.cuh"
 #include "kernel_choice.h"
 
 namespace nsad::nsa::cuda::detail {
@@ -401,12 +404,16 @@ struct SelectedQueryPolicy {
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
 };
 
+// Work items of the key-centric kernels (dK/dV, and the block forward of
+// selected_block_forward.cuh) over the inverted block map (InvertBlockMap): item -> one
+// (b, g, block) segment and a slice of at most queries_per_cta of its entries.
 struct SelectedKeyPolicy {
   const int64_t* chunk_off;  // [S+1]: first work item of each (b, g, block) segment
   const int* item_seg;       // [grid]: the segment of each work item (one load, not a search)
-  const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_t
-  const int* sorted_t;       // query positions, grouped by segment, ascending inside
+  const int64_t* seg_off;    // [S+1]: first entry of each segment in sorted_entry
+  const int* sorted_entry;   // block_idx entries ((b T + t) G + g) n + slot, by segment, t ascending inside
   int num_segments, NS, slc_block, queries_per_cta;
+  int T, per_position;  // per_position = G n entries per position
 
   __device__ KeyWork Work(const Shape& s) const {
     KeyWork w{};
@@ -423,9 +430,107 @@ struct SelectedKeyPolicy {
     w.valid = true;
     return w;
   }
-  __device__ int Query(const KeyWork& w, int i) const { return sorted_t[w.query_base + i]; }
+  __device__ int Entry(const KeyWork& w, int i) const { return sorted_entry[w.query_base + i]; }
+  __device__ int Query(const KeyWork& w, int i) const { return Entry(w, i) / per_position % T; }  // position
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
 };
+
+// The block -> queries map, inverted on the GPU for the key-centric kernels: every entry of
+// block_idx ([B,T,G,n] flattened, e = ((b T + t) G + g) n + slot) grouped by its segment
+// (b, g, block), in position order inside (a stable sort), unused (-1) slots last; each
+// segment cut into work items of at most queries_per_item entries (SelectedKeyPolicy).
+struct BlockMap {
+  at::Tensor sorted_entry;  // int32
+  at::Tensor seg_off;       // int64 [S+1]
+  at::Tensor chunk_off;     // int64 [S+1]
+  at::Tensor item_seg;      // int32 [max_items]
+  int64_t segments = 0, max_items = 0;
+  int NS = 0, queries_per_item = 0;
+
+  SelectedKeyPolicy Policy(const Shape& s, int n, int slc_block) const {
+    return {chunk_off.data_ptr<int64_t>(), item_seg.data_ptr<int>(), seg_off.data_ptr<int64_t>(),
+            sorted_entry.data_ptr<int>(), static_cast<int>(segments), NS, slc_block, queries_per_item,
+            s.T, s.G * n};
+  }
+};
+
+BlockMap InvertBlockMap(const at::Tensor& block_idx, const Shape& s, int NS, int queries_per_item) {
+  TORCH_CHECK(block_idx.numel() < INT_MAX, "selected attention: B*T*G*top_n must stay below 2^31, got ",
+              block_idx.numel());
+  BlockMap map;
+  map.NS = NS;
+  map.queries_per_item = queries_per_item;
+  const auto lopts = block_idx.options().dtype(at::kLong);
+  const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
+  // 32-bit segment ids whenever they fit: the radix sort then makes 4 passes instead of 8.
+  const auto kopts = block_idx.options().dtype(S < INT_MAX ? at::kInt : at::kLong);
+  const auto idx = block_idx.to(kopts.dtype());
+  const auto bs = at::arange(s.B, kopts).view({s.B, 1, 1, 1});
+  const auto gs = at::arange(s.G, kopts).view({1, 1, s.G, 1});
+  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, kopts)).flatten();
+  const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  map.sorted_entry = order.to(at::kInt);
+  map.seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
+  const auto counts = map.seg_off.slice(0, 1) - map.seg_off.slice(0, 0, S);
+  const auto chunks = (counts + (queries_per_item - 1)).div(queries_per_item, "floor");
+  map.chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
+  map.segments = S;
+  map.max_items = S + seg.numel() / queries_per_item + 1;  // >= chunk_off[S]
+  // Segment of each work item: a CTA then starts with one load instead of a 10-step binary
+  // search of dependent L2 loads. Items past chunk_off[S] are never read (Work() checks).
+  map.item_seg = (at::searchsorted(map.chunk_off, at::arange(map.max_items, lopts), /*out_int32=*/true,
+                                   /*right=*/true) -
+                  1)
+                     .clamp_min(0);
+  return map;
+}
+
+// The key-centric forward (selected_block_forward.cuh): forced, or (auto) where neighbouring
+// positions share few blocks (num_blocks >= 32 n at D=64, 16 n at D=128, whose blocks cost
+// twice the bytes to read) and groups are small enough that the partials, which grow with
+// the heads per group, cost less than the per-position kernel's block reads, which do not
+// (it pads the group to 16 MMA rows). Measured on H100 (nsa_bench --slc-only, selected
+// forward ms, per-position -> blocks), 12:2: 8k D64 0.52 -> 0.73, D128 1.18 -> 1.23; 16k
+// D64 1.06 -> 1.05-1.28, D128 2.45 -> 1.90; 32k D64 2.15 -> 1.77, D128 4.93 -> 3.22; 64k
+// D64 4.27 -> 3.05, D128 10.40 -> 6.07. 64k D64 64:4: 8.63 -> 13.76. By interpolation over
+// the heads per group, it pays up to about 8 heads.
+bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
+  if (c.fwd == Choice::Fwd::kBlocks) return true;
+  if (c.fwd != Choice::Fwd::kAuto) return false;
+  return num_blocks >= (s.D >= 128 ? 16 : 32) * n && s.hq() <= 8;
+}
+
+template <typename scalar_t, int D>
+void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                                at::Tensor& lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
+                                const Choice& choice) {
+  const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
+  if (s.B == 0 || s.T == 0 || n == 0) {
+    out.zero_();
+    lse.fill_(INFINITY);
+    return;
+  }
+  const BlockMap map = InvertBlockMap(block_idx, s, NS, QueriesPerCta(choice));
+  // One partial row per (entry, head): unused (-1) entries are allocated and never read.
+  auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
+  auto part_lse = at::empty({block_idx.numel() * s.hq()}, q.options().dtype(at::kFloat));
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (map.segments > 0) {
+    const auto kernel = block_fwd::SelectedBlockFwdKernel<scalar_t, D, kMaxQueriesPerCta, SelectedKeyPolicy>;
+    constexpr int kSmem = block_fwd::BlockFwdSmem<D, kMaxQueriesPerCta>::kBytes;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    kernel<<<static_cast<unsigned>(map.max_items), block_fwd::BlockFwdCfg<D>::kThreads, kSmem, stream>>>(
+            q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
+            part_lse.data_ptr<float>(), s, map.Policy(s, n, g.slc_block), scale_log2);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
+  block_fwd::CombineSelectedPartials<scalar_t, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
+      part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
+      lse.data_ptr<float>(), s, n, NS);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 // ---------------------------------------------------------------------------------------
 // dK/dV with the CTA's query rows staged in shared memory (cp.async, double-buffered).
@@ -444,11 +549,6 @@ __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 4 : 0)
                : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
@@ -597,7 +697,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
       CpAsync4(&meta[buf][threadIdx.x].y, delta + row, ok);
       meta[buf][threadIdx.x].z = __int_as_float(t);  // read after the step's barrier
     }
-    CpAsyncCommit();
+    mma::CpAsyncCommit();
   };
 
   const int key_lo = 16 * warp;
@@ -639,9 +739,9 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
   for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
     if (r0 + kR < total) {
       stage(r0 + kR, buf ^ 1);  // the buffer the previous step read; freed by its barrier
-      CpAsyncWait<1>();
+      mma::CpAsyncWait<1>();
     } else {
-      CpAsyncWait<0>();
+      mma::CpAsyncWait<0>();
     }
     __syncthreads();
     if (active) {
@@ -785,8 +885,11 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (UseTiledForward(choice, s, static_cast<int>(block_idx.size(3)), (s.T + g.slc_block - 1) / g.slc_block)) {
+        const int n = static_cast<int>(block_idx.size(3)), num_blocks = (s.T + g.slc_block - 1) / g.slc_block;
+        if (UseTiledForward(choice, s, n, num_blocks)) {
           LaunchSelectedTiledForward<scalar_t, D>(q, k, v, out, lse, s, block_idx, g);
+        } else if (UseBlockForward(choice, s, n, num_blocks)) {
+          LaunchSelectedBlockForward<scalar_t, D>(q, k, v, out, lse, s, block_idx, g, choice);
         } else {
           LaunchSelectedQueryMma<scalar_t, D, false>(q, k, v, nullptr, nullptr, out, lse, s, block_idx, g,
                                                      choice);
@@ -820,32 +923,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   auto dk_acc = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
   auto dv_acc = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
 
-  // Invert the block map: segment id (b, g, block) per entry, unused slots sorted last.
-  const auto lopts = block_idx.options().dtype(at::kLong);
-  const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
-  // 32-bit segment ids whenever they fit: the radix sort then makes 4 passes instead of 8.
-  const auto kopts = block_idx.options().dtype(S < INT_MAX ? at::kInt : at::kLong);
-  const auto idx = block_idx.to(kopts.dtype());
-  const auto bs = at::arange(s.B, kopts).view({s.B, 1, 1, 1});
-  const auto gs = at::arange(s.G, kopts).view({1, 1, s.G, 1});
-  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, kopts)).flatten();
-  const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const auto sorted_t = (order.div(static_cast<int64_t>(s.G) * n, "floor").remainder(s.T)).to(at::kInt);
-  const auto seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
-  const auto counts = seg_off.slice(0, 1) - seg_off.slice(0, 0, S);
-  const int qpc = QueriesPerCta(choice);
-  const auto chunks = (counts + (qpc - 1)).div(qpc, "floor");
-  const auto chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
-  const int64_t max_items = S + seg.numel() / qpc + 1;  // >= chunk_off[S]
-  // Segment of each work item: a CTA then starts with one load instead of a 10-step binary
-  // search of dependent L2 loads. Items past chunk_off[S] are never read (Work() checks).
-  const auto item_seg =
-      (at::searchsorted(chunk_off, at::arange(max_items, lopts), /*out_int32=*/true, /*right=*/true) - 1)
-          .clamp_min(0);
-  const SelectedKeyPolicy kpol{chunk_off.data_ptr<int64_t>(), item_seg.data_ptr<int>(),
-                               seg_off.data_ptr<int64_t>(), sorted_t.data_ptr<int>(),
-                               static_cast<int>(S), NS,
-                               g.slc_block, qpc};
+  const BlockMap map = InvertBlockMap(block_idx, s, NS, QueriesPerCta(choice));
+  const SelectedKeyPolicy kpol = map.Policy(s, n, g.slc_block);
+  const int64_t S = map.segments, max_items = map.max_items;
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
   const int rows = s.hq();
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_slc_bwd", [&] {

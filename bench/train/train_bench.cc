@@ -11,7 +11,7 @@
 // warm-up, then the median of timed steps with CUDA synchronisation around each step.
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
-//               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled]
+//               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--win-fwd auto|flash|tiled]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
@@ -401,13 +401,14 @@ int main(int argc, char** argv) {
       const std::map<std::string, Choice::Fwd> fwd = {{"auto", Choice::Fwd::kAuto},
                                                       {"rows", Choice::Fwd::kRows},
                                                       {"heads", Choice::Fwd::kHeads},
-                                                      {"tiled", Choice::Fwd::kTiled}};
+                                                      {"tiled", Choice::Fwd::kTiled},
+                                                      {"blocks", Choice::Fwd::kBlocks}};
       if (flag == "--slc-dq" && dq.count(value)) {
         choice.dq = dq.at(value);
       } else if (flag == "--slc-fwd" && fwd.count(value)) {
         choice.fwd = fwd.at(value);
       } else {
-        std::fprintf(stderr, "--slc-dq takes auto|query|fused, --slc-fwd auto|rows|heads|tiled\n");
+        std::fprintf(stderr, "--slc-dq takes auto|query|fused, --slc-fwd auto|rows|heads|tiled|blocks\n");
         return 2;
       }
       nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);

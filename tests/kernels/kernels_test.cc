@@ -168,6 +168,10 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
       {"fwd tiled", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0), true, false},
       {"fwd tiled, dq fused", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0, Dq::kFused), true, true},
+      // Key-centric forward: per-block partials, combined per position; short slices split a
+      // block's entries over many work items.
+      {"fwd blocks", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0), true, false},
+      {"fwd blocks, 24 queries per item", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24), true, false},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
@@ -187,6 +191,33 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
     SCOPED_TRACE(path.name);
     const cuda::detail::ScopedSelectedKernelChoice force(path.choice);  // restored on failure too
     CheckSelectedAttention();
+  }
+}
+
+// The selection is a set in the reference: a block listed twice counts once. The forwards
+// that see the whole list at once (tiled: a bitmask per block; blocks: the combine skips a
+// repeated block's partial) keep that rule; the selection kernel never repeats a block.
+TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core forwards only";
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto importance = torch::rand({kBatch, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+  auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  // Every position lists block 0 again in its last slot (whatever was there is dropped).
+  idx.select(3, geo_.top_n - 1).fill_(0);
+  const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
+                                              geo_);
+  for (const Choice::Fwd fwd : {Choice::Fwd::kTiled, Choice::Fwd::kBlocks}) {
+    SCOPED_TRACE(fwd == Choice::Fwd::kTiled ? "tiled" : "blocks");
+    Choice choice;
+    choice.fwd = fwd;
+    const cuda::detail::ScopedSelectedKernelChoice force(choice);
+    Poison();
+    ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
   }
 }
 

@@ -1,0 +1,216 @@
+// Key-centric forward of the selected branch for long sequences (SelectedKernelChoice::Fwd::
+// kBlocks), included by selected_attention.cu.
+//
+// Why: the query-centric kernels read every selected block once per (position, group). At 64k
+// with unrelated selections nothing is shared between neighbours, so that is 16 blocks of K
+// and V per position: 34 GB from L2 per call at D=64, 12:2, and the kernel runs at the L2's
+// bandwidth (PERFORMANCE.md). Here a block is read once per work item instead, like the dK/dV
+// kernel does, and each (position, head) gets one partial result per selected block:
+//   1. SelectedBlockFwdKernel: one CTA per work item of the inverted block map (a block and a
+//      slice of the entries that chose it, SelectedKeyPolicy). K/V of the block are staged
+//      once in shared memory; the slice's (entry, head) rows follow through shared memory
+//      kRows at a time, each warp takes 16 kM of them, softmax over the block's causal keys
+//      in one step, and writes o / l (input type) and the partial log2-sum-exp per row.
+//   2. CombineSelectedPartials: per (position, head), the log2-sum-exp over the distinct
+//      selected blocks (a block listed twice counts once, as in the reference) and the
+//      partials weighted by 2^(lse_i - lse): the output and lse the backward expects.
+// The partials cost B T G n hq (D + 2) 16-bit words of HBM traffic each way, against 16
+// blocks of K and V per (position, group) from L2 for the query-centric kernels: this pays
+// only when neighbours share few blocks (long sequences; the dispatch is measured).
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "smem_fwd_tile.cuh"
+
+namespace nsad::nsa::cuda::detail::block_fwd {
+
+// Eight warps of one m16 tile each (kRows = 128 rows per CTA step) and a register budget
+// for two CTAs per SM at D=64 (ncu: with 32-row warps at 200 registers, 8 warps per SM
+// stalled on their own dependencies). D=128 holds twice the accumulators: one CTA's budget.
+template <int D>
+struct BlockFwdCfg {
+  static constexpr int kM = 1, kWarps = 8, kThreads = 32 * kWarps, kRows = 16 * kM * kWarps;
+  static constexpr int kMinCtas = D == 64 ? 2 : 1;
+  static constexpr int kN = 64;  // keys per block tile (slc_block <= 64)
+  static constexpr int kTileBytes = kN * D * 2;
+};
+
+// The CTA's shared memory: the K and V tiles, two buffers of kRows staged Q rows, and the
+// item's entries and their positions.
+template <int D, int kMaxEntries>
+struct BlockFwdSmem {
+  using Cfg = BlockFwdCfg<D>;
+  static constexpr int kQBytes = Cfg::kRows * D * 2;  // one buffer of staged Q rows
+  static constexpr int kQOffset = 2 * Cfg::kTileBytes;
+  static constexpr int kEntryOffset = kQOffset + 2 * kQBytes;
+  static constexpr int kPosOffset = kEntryOffset + 4 * kMaxEntries;
+  static constexpr int kBytes = kPosOffset + 4 * kMaxEntries;
+};
+
+// One CTA per work item (BlockFwdCfg: kM m16 tiles of rows per warp, kRows rows per CTA
+// step), the products of the tiled forward (smem_fwd). The item's (entry, head) rows are gathered kRows at a time
+// into shared memory with cp.async, the next step's copy in flight while this one computes
+// (a warp loading its own Q rows would wait on each gather: a row's position comes from the
+// entry list, so they are scattered across the sequence).
+template <typename scalar_t, int D, int kMaxEntries, typename KeyPolicy>
+__global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMinCtas)
+    SelectedBlockFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                           const scalar_t* __restrict__ v, scalar_t* __restrict__ part_o,
+                           float* __restrict__ part_lse, Shape s, KeyPolicy pol, float scale_log2) {
+  using Cfg = BlockFwdCfg<D>;
+  using Smem = BlockFwdSmem<D, kMaxEntries>;
+  constexpr int kM = Cfg::kM, kN = Cfg::kN, kRows = Cfg::kRows, kChunks = D / 8;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 block_fwd_smem[];
+  unsigned char* const smem = reinterpret_cast<unsigned char*>(block_fwd_smem);
+  int* const entry = reinterpret_cast<int*>(smem + Smem::kEntryOffset);
+  int* const pos = reinterpret_cast<int*>(smem + Smem::kPosOffset);  // entry i's position
+
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, hq = s.hq();
+  const int total = w.num_queries * hq;  // (entry, head) rows
+  const uint32_t kbuf = mma::SmemAddr(smem), qbuf0 = kbuf + Smem::kQOffset;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  mma::StageTileAsync<D, kN, Cfg::kThreads>(kbuf, k + KeyOffset(s, w.b, w.keys.start, w.g), kv_stride,
+                                            w.keys.count);
+  mma::StageTileAsync<D, kN, Cfg::kThreads>(kbuf + Cfg::kTileBytes, v + KeyOffset(s, w.b, w.keys.start, w.g),
+                                            kv_stride, w.keys.count);
+  for (int i = threadIdx.x; i < w.num_queries; i += Cfg::kThreads) {
+    const int e = pol.Entry(w, i);
+    entry[i] = e;
+    pos[i] = e / pol.per_position % s.T;
+  }
+  __syncthreads();  // entries are read by every thread below
+  // Rows [r0, r0 + kRows) into Q buffer buf: row r at its swizzled place, zeros past the end.
+  const auto stage_q = [&](int r0, int buf) {
+    for (int i = threadIdx.x; i < kRows * kChunks; i += Cfg::kThreads) {
+      const int r = i / kChunks, ch = i % kChunks, rho = r0 + r;
+      const bool ok = rho < total;
+      const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
+      mma::CpAsync16(qbuf0 + buf * Smem::kQBytes + mma::SwizzledOffset<D>(r, ch), q + off, ok);
+    }
+    mma::CpAsyncCommit();
+  };
+
+  stage_q(0, 0);  // the same group as the K/V tiles
+  for (int r0 = 0, buf = 0; r0 < total; r0 += kRows, buf ^= 1) {
+    if (r0 + kRows < total) {
+      stage_q(r0 + kRows, buf ^ 1);  // the buffer the previous step read; freed by its barrier
+      mma::CpAsyncWait<1>();
+    } else {
+      mma::CpAsyncWait<0>();
+    }
+    __syncthreads();
+    const int row0 = r0 + 16 * kM * warp;  // the warp's first row
+    if (row0 < total) {
+      // A fragments of the warp's m16 tiles: ldmatrix.x4, lanes 0-15 rows at chunk 2ks,
+      // lanes 16-31 the same rows at chunk 2ks + 1.
+      uint32_t qf[kM][D / 16][4];
+      const uint32_t qbuf = qbuf0 + buf * Smem::kQBytes;
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          mma::LdMatrixX4(qf[m][ks], qbuf + mma::SwizzledOffset<D>(16 * (kM * warp + m) + (lane & 15),
+                                                                   2 * ks + (lane >> 4)));
+        }
+      }
+      int64_t p_row[kM][2];
+      bool valid[kM][2];
+      int t[kM][2];
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row0 + 16 * m + (lane >> 2) + 8 * h;
+          valid[m][h] = r < total;
+          const int i = valid[m][h] ? r / hq : 0;
+          t[m][h] = pos[i];
+          p_row[m][h] = static_cast<int64_t>(entry[i]) * hq + (valid[m][h] ? r % hq : 0);
+        }
+      }
+      smem_fwd::State<D, kM> st;
+      st.Init();
+      float sc[kM][kN / 8][4];
+      smem_fwd::Scores<kBf16, D, kM, kN>(sc, qf, kbuf, lane);
+      // Most rows see the whole block (only a position's own block is cut by causality):
+      // then the step runs without a per-key test.
+      bool sees_all = w.keys.count == kN;
+#pragma unroll
+      for (int m = 0; m < kM; ++m) sees_all &= w.keys.start + kN - 1 <= min(t[m][0], t[m][1]);
+      if (__all_sync(0xffffffffu, sees_all)) {
+        smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(st, sc, kbuf + Cfg::kTileBytes, scale_log2,
+                                              [](int, int, int) { return true; }, lane);
+      } else {
+        smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(
+            st, sc, kbuf + Cfg::kTileBytes, scale_log2,
+            [&](int m, int h, int key) { return key < w.keys.count && w.keys.start + key <= t[m][h]; }, lane);
+      }
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float l = mma::QuadSum(st.l[m][h]);  // every lane: shuffles
+          if (!valid[m][h]) continue;
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          uint32_t* orow = reinterpret_cast<uint32_t*>(part_o + p_row[m][h] * D);
+#pragma unroll
+          for (int i = 0; i < D / 8; ++i) {
+            orow[4 * i + c] = mma::Pack<kBf16>(st.o[m][i][2 * h] * inv, st.o[m][i][2 * h + 1] * inv);
+          }
+          // No visible key (a block past the position): weight 0 in the combine.
+          if (c == 0) part_lse[p_row[m][h]] = l > 0.f ? st.m[m][h] + log2f(l) : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();  // everyone is done with buf before the next step stages into it
+  }
+}
+
+// One thread per (b, t, head, 8 columns): out and lse (log2 units, +inf and a zero row when no
+// block had a visible key) from the partials of the position's distinct selected blocks.
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(256)
+    CombineSelectedPartials(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,
+                            const int* __restrict__ block_idx, scalar_t* __restrict__ out,
+                            float* __restrict__ lse, Shape s, int n, int num_blocks) {
+  constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
+  if (i >= rows * kChunks) return;
+  const int ch = static_cast<int>(i % kChunks);
+  const int64_t row = i / kChunks;  // (b, t, h) of [B,T,H]
+  const int h = static_cast<int>(row % s.H), hq = s.hq(), grp = h / hq, head = h % hq;
+  const int64_t e0 = (row / s.H * s.G + grp) * n;  // the (b, t, g) entries
+  const int* idx = block_idx + e0;
+  float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < n; ++j) {
+    const int blk = idx[j];
+    if (blk < 0 || blk >= num_blocks) continue;
+    bool repeat = false;
+    for (int j2 = 0; j2 < j; ++j2) repeat |= idx[j2] == blk;
+    if (repeat) continue;
+    const int64_t p = (e0 + j) * hq + head;
+    const float x = part_lse[p];
+    if (x == -INFINITY) continue;
+    const float m_new = fmaxf(m, x);
+    const float alpha = mma::Exp2(m - m_new), wgt = mma::Exp2(x - m_new);
+    const uint4 raw = *reinterpret_cast<const uint4*>(part_o + p * D + 8 * ch);
+    const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+    for (int d = 0; d < 8; ++d) acc[d] = acc[d] * alpha + wgt * static_cast<float>(val[d]);
+    l = l * alpha + wgt;
+    m = m_new;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  alignas(16) scalar_t res[8];
+#pragma unroll
+  for (int d = 0; d < 8; ++d) res[d] = static_cast<scalar_t>(acc[d] * inv);
+  *reinterpret_cast<uint4*>(out + row * D + 8 * ch) = *reinterpret_cast<const uint4*>(res);
+  if (ch == 0) lse[row] = l > 0.f ? m + log2f(l) : INFINITY;
+}
+
+}  // namespace nsad::nsa::cuda::detail::block_fwd
