@@ -41,6 +41,9 @@ struct SelectedKernelChoice {
   // the measured default (128), else 1..512 (the kernels keep the item's positions in shared
   // memory).
   int queries_per_item = 0;
+  // kBlocks forward: bytes of partial results per pass over whole batch elements; 0 is the
+  // default (4 GiB). Tests set it small to run one batch element per pass.
+  long long partial_bytes = 0;
 };
 
 // For tests and benchmarks only (see above). Thread-safe; read once per kernel call.

@@ -79,6 +79,8 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   TORCH_CHECK(c.queries_per_item >= 0 && c.queries_per_item <= kMaxQueriesPerCta,
               "SelectedKernelChoice: queries_per_item must be 0 (auto) or 1..", kMaxQueriesPerCta,
               ", got ", c.queries_per_item);
+  TORCH_CHECK(c.partial_bytes >= 0, "SelectedKernelChoice: partial_bytes must be 0 (default) or positive, got ",
+              c.partial_bytes);
   if (q.scalar_type() == at::kFloat) {
     TORCH_CHECK(c.fwd == Choice::Fwd::kAuto && c.dkdv == Choice::DkDv::kAuto,
                 "SelectedKernelChoice: fp32 inputs run the scalar kernels; only kAuto applies");
@@ -500,16 +502,16 @@ bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
   return num_blocks >= (s.D >= 128 ? 16 : 32) * n && s.hq() <= 8;
 }
 
+// The partials of a pass (B T G n hq rows of D values and an lse) stay under this many bytes:
+// a batch too large for it runs in passes of whole batch elements, so the forward's memory
+// does not grow with the batch (64k, D=128, 6 heads per group: 3.3 GB per element).
+constexpr int64_t kDefaultPartialBytes = int64_t{4} << 30;
+
 template <typename scalar_t, int D>
-void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                                at::Tensor& lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
-                                const Choice& choice) {
+void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
+                                    at::Tensor lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
+                                    const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
-  if (s.B == 0 || s.T == 0 || n == 0) {
-    out.zero_();
-    lse.fill_(INFINITY);
-    return;
-  }
   const BlockMap map = InvertBlockMap(block_idx, s, NS, QueriesPerCta(choice));
   // One partial row per (entry, head): unused (-1) entries are allocated and never read.
   auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
@@ -521,8 +523,8 @@ void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const 
     constexpr int kSmem = block_fwd::BlockFwdSmem<D, kMaxQueriesPerCta>::kBytes;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     kernel<<<static_cast<unsigned>(map.max_items), block_fwd::BlockFwdCfg<D>::kThreads, kSmem, stream>>>(
-            q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
-            part_lse.data_ptr<float>(), s, map.Policy(s, n, g.slc_block), scale_log2);
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
+        part_lse.data_ptr<float>(), s, map.Policy(s, n, g.slc_block), scale_log2);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
@@ -530,6 +532,30 @@ void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const 
       part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
       lse.data_ptr<float>(), s, n, NS);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, int D>
+void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                                at::Tensor& lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
+                                const Choice& choice) {
+  const int64_t n = block_idx.size(3);
+  if (s.B == 0 || s.T == 0 || n == 0) {
+    out.zero_();
+    lse.fill_(INFINITY);
+    return;
+  }
+  const int64_t budget = choice.partial_bytes > 0 ? choice.partial_bytes : kDefaultPartialBytes;
+  const int64_t per_element = static_cast<int64_t>(s.T) * s.G * n * s.hq() * (s.D * q.element_size() + 4);
+  const int64_t per_pass = std::max<int64_t>(1, budget / per_element);
+  for (int64_t b0 = 0; b0 < s.B; b0 += per_pass) {
+    const int64_t nb = std::min<int64_t>(per_pass, s.B - b0);
+    Shape part = s;
+    part.B = static_cast<int>(nb);
+    // Whole batch elements of contiguous tensors: the slices are contiguous views.
+    LaunchSelectedBlockForwardPass<scalar_t, D>(q.narrow(0, b0, nb), k.narrow(0, b0, nb), v.narrow(0, b0, nb),
+                                                out.narrow(0, b0, nb), lse.narrow(0, b0, nb), part,
+                                                block_idx.narrow(0, b0, nb), g, choice);
+  }
 }
 
 // ---------------------------------------------------------------------------------------

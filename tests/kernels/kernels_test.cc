@@ -155,12 +155,14 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
     Choice choice;
     bool tensor_cores_only, d64_only;
   };
-  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc, Choice::Dq dq = Choice::Dq::kQuerySide) {
+  const auto make = [](Choice::Fwd fwd, Choice::DkDv dkdv, int qpc, Choice::Dq dq = Choice::Dq::kQuerySide,
+                       long long partial_bytes = 0) {
     Choice c;
     c.fwd = fwd;
     c.dkdv = dkdv;
     c.queries_per_item = qpc;
     c.dq = dq;
+    c.partial_bytes = partial_bytes;
     return c;
   };
   using Dq = Choice::Dq;
@@ -172,6 +174,8 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       // block's entries over many work items.
       {"fwd blocks", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0), true, false},
       {"fwd blocks, 24 queries per item", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24), true, false},
+      {"fwd blocks, one batch element per pass", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0, Dq::kQuerySide, 1),
+       true, false},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
