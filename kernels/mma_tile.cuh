@@ -183,6 +183,18 @@ template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+// One step of a double-buffered row loop: issues the copy of the rows after [r0, r0 + step)
+// into the other buffer (stage(r1, buf), which commits its group), if there are any, then
+// waits for this step's rows. The caller's barrier follows.
+template <typename Stage>
+__device__ __forceinline__ void StageNextAndWait(int r0, int step, int total, int buf, Stage&& stage) {
+  if (r0 + step < total) {
+    stage(r0 + step, buf ^ 1);  // the buffer the previous step read; freed by its barrier
+    CpAsyncWait<1>();
+  } else {
+    CpAsyncWait<0>();
+  }
+}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"

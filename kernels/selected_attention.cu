@@ -763,12 +763,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
 
   stage(0, 0);
   for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
-    if (r0 + kR < total) {
-      stage(r0 + kR, buf ^ 1);  // the buffer the previous step read; freed by its barrier
-      mma::CpAsyncWait<1>();
-    } else {
-      mma::CpAsyncWait<0>();
-    }
+    mma::StageNextAndWait(r0, kR, total, buf, stage);
     __syncthreads();
     if (active) {
       mma::RowFrag<D> qr[kR / 8], dr[kR / 8];

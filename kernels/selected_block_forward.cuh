@@ -97,12 +97,7 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 
   stage_q(0, 0);  // the same group as the K/V tiles
   for (int r0 = 0, buf = 0; r0 < total; r0 += kRows, buf ^= 1) {
-    if (r0 + kRows < total) {
-      stage_q(r0 + kRows, buf ^ 1);  // the buffer the previous step read; freed by its barrier
-      mma::CpAsyncWait<1>();
-    } else {
-      mma::CpAsyncWait<0>();
-    }
+    mma::StageNextAndWait(r0, kRows, total, buf, stage_q);
     __syncthreads();
     const int row0 = r0 + 16 * kM * warp;  // the warp's first row
     if (row0 < total) {
