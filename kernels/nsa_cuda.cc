@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "launchers.h"
 
@@ -99,19 +100,15 @@ struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
     torch::Tensor out, lse, rng_state, unused;
     if (tiled_forward) {
-      auto [tiled_out, lse_log2] = detail::WindowForward(q, k, v, window);
-      out = tiled_out;
+      torch::Tensor lse_log2;
+      std::tie(out, lse_log2) = detail::WindowForward(q, k, v, window);
       lse = (lse_log2 * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
       rng_state = torch::empty({}, torch::kLong);
       unused = torch::empty({}, torch::kLong);
     } else {
-      auto [flash_out, flash_lse, flash_rng, flash_unused, debug] = at::_flash_attention_forward(
+      std::tie(out, lse, rng_state, unused, std::ignore) = at::_flash_attention_forward(
           q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
           /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
-      out = flash_out;
-      lse = flash_lse;
-      rng_state = flash_rng;
-      unused = flash_unused;
     }
     ctx->save_for_backward({q, k, v, out, lse, rng_state, unused});
     ctx->saved_data["window"] = window;

@@ -64,11 +64,9 @@ namespace {
 
 constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
 constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
-// Staged dK/dV builds the auto choice takes at D=64 (see LaunchSelectedDkDv): without and
-// with fused dQ (measured on H100, PERFORMANCE.md).
+// The staged dK/dV build the auto choice takes at D=64, with and without fused dQ (see
+// LaunchSelectedDkDv; measured on H100, PERFORMANCE.md).
 constexpr SelectedKernelChoice::DkDv kDefaultDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;
-constexpr SelectedKernelChoice::DkDv kDefaultFusedDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;
-
 
 using Choice = SelectedKernelChoice;
 
@@ -566,11 +564,8 @@ void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const 
 // computed, once for the four warps, instead of each warp loading them from L2 right before
 // use: the old kernel spent most of its time waiting on those loads (two dependent gathers
 // per step for lse/delta, at 8 warps per SM).
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0)
-               : "memory");
-}
+// 4-byte copies (lse, delta) go through L1 (.ca: cp.async.cg takes 16 bytes only); the rows
+// use mma::CpAsync16.
 __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 4 : 0)
@@ -679,8 +674,8 @@ __device__ __forceinline__ void AddDqColumns(float* __restrict__ dq_acc, const u
 }
 
 // kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
-// Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 2 at D=128 (more would spill
-// heavily); SelectedKernelChoice::DkDv (kernel_choice.h) forces another D=64 build (A/B).
+// Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 1 at D=128 (a tighter budget
+// would spill heavily); SelectedKernelChoice::DkDv (kernel_choice.h) forces another D=64 build (A/B).
 // kFusedDq (D=64 builds only): dq_acc receives dQ as well, see above.
 template <typename scalar_t, int D, int kR, int kMinCtas, bool kFusedDq>
 __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
@@ -711,8 +706,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
       const bool ok = rho < total;  // rows past the end are zero-filled
       const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
       const int dst = r * D + SwizzledChunk(r, ch) * 8;
-      CpAsync16(&q_s[buf][dst], q + off, ok);
-      CpAsync16(&do_s[buf][dst], dout + off, ok);
+      mma::CpAsync16(mma::SmemAddr(&q_s[buf][dst]), q + off, ok);
+      mma::CpAsync16(mma::SmemAddr(&do_s[buf][dst]), dout + off, ok);
     }
     if (threadIdx.x < kR) {
       const int rho = r0 + threadIdx.x;
@@ -848,7 +843,7 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
     return;
   }
   if constexpr (D == 64) {
-    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : dq_acc ? kDefaultFusedDkDv64 : kDefaultDkDv64;
+    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : kDefaultDkDv64;
     const auto pick = [&](auto rows, auto ctas) {
       constexpr int kR = decltype(rows)::value, kC = decltype(ctas)::value;
       if (dq_acc) {

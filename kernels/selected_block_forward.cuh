@@ -50,10 +50,11 @@ struct BlockFwdSmem {
 };
 
 // One CTA per work item (BlockFwdCfg: kM m16 tiles of rows per warp, kRows rows per CTA
-// step), the products of the tiled forward (smem_fwd). The item's (entry, head) rows are gathered kRows at a time
-// into shared memory with cp.async, the next step's copy in flight while this one computes
-// (a warp loading its own Q rows would wait on each gather: a row's position comes from the
-// entry list, so they are scattered across the sequence).
+// step), with the products and row output of the tiled forward (smem_fwd). The item's
+// (entry, head) rows are gathered kRows at a time into shared memory with cp.async, the next
+// step's copy in flight while this one computes (a warp loading its own Q rows would wait on
+// each gather: a row's position comes from the entry list, so they are scattered across the
+// sequence).
 template <typename scalar_t, int D, int kMaxEntries, typename KeyPolicy>
 __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMinCtas)
     SelectedBlockFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 
   const KeyWork w = pol.Work(s);
   if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3, hq = s.hq();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hq = s.hq();
   const int total = w.num_queries * hq;  // (entry, head) rows
   const uint32_t kbuf = mma::SmemAddr(smem), qbuf0 = kbuf + Smem::kQOffset;
   const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
@@ -144,22 +145,9 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
             st, sc, kbuf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return key < w.keys.count && w.keys.start + key <= t[m][h]; }, lane);
       }
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float l = mma::QuadSum(st.l[m][h]);  // every lane: shuffles
-          if (!valid[m][h]) continue;
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          uint32_t* orow = reinterpret_cast<uint32_t*>(part_o + p_row[m][h] * D);
-#pragma unroll
-          for (int i = 0; i < D / 8; ++i) {
-            orow[4 * i + c] = mma::Pack<kBf16>(st.o[m][i][2 * h] * inv, st.o[m][i][2 * h + 1] * inv);
-          }
-          // No visible key (a block past the position): weight 0 in the combine.
-          if (c == 0) part_lse[p_row[m][h]] = l > 0.f ? st.m[m][h] + log2f(l) : -INFINITY;
-        }
-      }
+      // o / l and the log2-sum-exp per (entry, head) row; a row that saw no key (a block
+      // past its position) gets +inf, which the combine skips.
+      smem_fwd::Finish<kBf16, D, kM>(st, part_o, part_lse, p_row, valid, lane);
     }
     __syncthreads();  // everyone is done with buf before the next step stages into it
   }
@@ -190,7 +178,7 @@ __global__ void __launch_bounds__(256)
     if (repeat) continue;
     const int64_t p = (e0 + j) * hq + head;
     const float x = part_lse[p];
-    if (x == -INFINITY) continue;
+    if (x == INFINITY) continue;  // the block had no visible key
     const float m_new = fmaxf(m, x);
     const float alpha = mma::Exp2(m - m_new), wgt = mma::Exp2(x - m_new);
     const uint4 raw = *reinterpret_cast<const uint4*>(part_o + p * D + 8 * ch);

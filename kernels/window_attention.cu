@@ -69,16 +69,11 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
   auto out = at::empty_like(q);
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
   const WindowWalk walk{static_cast<int>(window)};
-  AT_DISPATCH_SWITCH(q.scalar_type(), "nsa_window_fwd",
-                     AT_DISPATCH_CASE(at::kHalf, [&] {
-                       DispatchHeadDim(s.D, [&](auto dim) {
-                         smem_fwd::LaunchTiledForward<scalar_t, decltype(dim)::value>(q, k, v, out, lse, s, walk, 0);
-                       });
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       DispatchHeadDim(s.D, [&](auto dim) {
-                         smem_fwd::LaunchTiledForward<scalar_t, decltype(dim)::value>(q, k, v, out, lse, s, walk, 0);
-                       });
-                     }));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "nsa_window_fwd", [&] {
+    DispatchHeadDim(s.D, [&](auto dim) {
+      smem_fwd::LaunchTiledForward<scalar_t, decltype(dim)::value>(q, k, v, out, lse, s, walk, 0);
+    });
+  });
   return {out, lse};
 }
 
