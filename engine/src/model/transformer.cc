@@ -24,6 +24,14 @@ namespace {
 
 RmsNorm MakeNorm(const ModelConfig& config) { return RmsNorm(config.dim, config.norm_eps); }
 
+// {x + pending, norm(x + pending)} in one step (nsa::AddRmsNorm, one kernel on the CUDA
+// backend); x and norm(x) when nothing is pending (before the first block).
+std::pair<torch::Tensor, torch::Tensor> AddPendingAndNorm(AttentionBackend backend, const torch::Tensor& x,
+                                                          const torch::Tensor& pending, RmsNorm& norm) {
+  if (!pending.defined()) return {x, norm->forward(x)};
+  return nsa::AddRmsNorm(backend, x, pending, norm->weight, norm->eps());
+}
+
 torch::nn::Linear NormalLinear(int64_t in, int64_t out, double std) {
   torch::nn::Linear linear(torch::nn::LinearOptions(in, out).bias(false));
   torch::NoGradGuard no_grad;
@@ -52,11 +60,7 @@ class NsaBlockImpl : public torch::nn::Module {
   std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& pending, int layer,
                                                   const NsaTransformerImpl::Tap& tap) {
     torch::Tensor normed;
-    if (pending.defined()) {
-      std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, pending, attn_norm->weight, attn_norm->eps());
-    } else {
-      normed = attn_norm->forward(x);
-    }
+    std::tie(x, normed) = AddPendingAndNorm(backend_, x, pending, attn_norm);
     auto attn_out = attn->forward(normed);
     if (tap) attn_out = tap(layer, "attention", attn_out);
     std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, attn_out, mlp_norm->weight, mlp_norm->eps());
@@ -184,12 +188,7 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
     }
     ++layer;
   }
-  torch::Tensor normed;
-  if (pending.defined()) {
-    std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, pending, final_norm_->weight, final_norm_->eps());
-  } else {
-    normed = final_norm_->forward(x);
-  }
+  const auto normed = AddPendingAndNorm(backend_, x, pending, final_norm_).second;
   // Logits stay in the matmul's dtype (bf16 under autocast): the loss takes them as they
   // are (nsa::CrossEntropyLoss), and a float32 copy is 6.6 GB at batch 16.
   return torch::nn::functional::linear(normed, embed_->weight);
