@@ -51,43 +51,24 @@
 #include "nsa/ops.h"
 #include "launchers.h"
 #include "nsa_cuda.h"
-#include "kernel_choice.h"
+#include "kernel_choice_names.h"
 
 namespace {
 
 using nsad::nsa::Geometry;
 namespace nsa_cuda = nsad::nsa::cuda;
 
-using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
-constexpr std::pair<const char*, Choice::Fwd> kFwdNames[] = {
-    {"auto", Choice::Fwd::kAuto}, {"rows", Choice::Fwd::kRows}, {"heads", Choice::Fwd::kHeads},
-    {"tiled", Choice::Fwd::kTiled}, {"blocks", Choice::Fwd::kBlocks}};
-constexpr std::pair<const char*, Choice::DkDv> kDkDvNames[] = {
-    {"auto", Choice::DkDv::kAuto},             {"staged16x3", Choice::DkDv::kStaged16x3},
-    {"staged32x1", Choice::DkDv::kStaged32x1}, {"staged32x3", Choice::DkDv::kStaged32x3},
-    {"unstaged", Choice::DkDv::kUnstaged}};
-constexpr std::pair<const char*, Choice::Dq> kDqNames[] = {
-    {"auto", Choice::Dq::kAuto}, {"query", Choice::Dq::kQuerySide}, {"fused", Choice::Dq::kFused}};
-using WinChoice = nsad::nsa::cuda::detail::WindowKernelChoice;
-constexpr std::pair<const char*, WinChoice::Forward> kWinNames[] = {
-    {"auto", WinChoice::Forward::kAuto}, {"flash", WinChoice::Forward::kFlash}, {"tiled", WinChoice::Forward::kTiled}};
-using CmpChoice = nsad::nsa::cuda::detail::CompressedKernelChoice;
-constexpr std::pair<const char*, CmpChoice::Path> kCmpNames[] = {
-    {"auto", CmpChoice::Path::kAuto}, {"registers", CmpChoice::Path::kRegisters}};
-
-// Value of a name in a table like kFwdNames; false when the name is not there.
-template <typename E, size_t N>
-bool FromName(const std::pair<const char*, E> (&names)[N], const std::string& name, E& out) {
-  for (const auto& [n, e] : names)
-    if (name == n) return out = e, true;
-  return false;
-}
-template <typename E, size_t N>
-const char* NameOf(const std::pair<const char*, E> (&names)[N], E e) {
-  for (const auto& [n, v] : names)
-    if (v == e) return n;
-  return "?";
-}
+using Choice = nsad::bench::SelectedChoice;
+using WinChoice = nsad::bench::WindowChoice;
+using CmpChoice = nsad::bench::CompressedChoice;
+using nsad::bench::FromName;
+using nsad::bench::NameOf;
+using nsad::bench::Spellings;
+using nsad::bench::kCmpNames;
+using nsad::bench::kSlcDkDvNames;
+using nsad::bench::kSlcDqNames;
+using nsad::bench::kSlcFwdNames;
+using nsad::bench::kWinFwdNames;
 
 double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -275,28 +256,28 @@ int main(int argc, char** argv) {
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
     else if (a == "--cmp-kernel") {
       if (!FromName(kCmpNames, argv[i + 1], cmp_choice.path)) {
-        std::fprintf(stderr, "--cmp-kernel takes auto|registers\n");
+        std::fprintf(stderr, "--cmp-kernel takes %s\n", Spellings(kCmpNames).c_str());
         return 2;
       }
     } else if (a == "--win-fwd") {
-      if (!FromName(kWinNames, argv[i + 1], win_choice.forward)) {
-        std::fprintf(stderr, "--win-fwd takes auto|flash|tiled\n");
+      if (!FromName(kWinFwdNames, argv[i + 1], win_choice.forward)) {
+        std::fprintf(stderr, "--win-fwd takes %s\n", Spellings(kWinFwdNames).c_str());
         return 2;
       }
     }
     else if (a == "--slc-fwd") {
-      if (!FromName(kFwdNames, argv[i + 1], choice.fwd)) {
-        std::fprintf(stderr, "--slc-fwd takes auto|rows|heads|tiled|blocks\n");
+      if (!FromName(kSlcFwdNames, argv[i + 1], choice.fwd)) {
+        std::fprintf(stderr, "--slc-fwd takes %s\n", Spellings(kSlcFwdNames).c_str());
         return 2;
       }
     } else if (a == "--slc-dkdv") {
-      if (!FromName(kDkDvNames, argv[i + 1], choice.dkdv)) {
-        std::fprintf(stderr, "--slc-dkdv takes auto|staged16x3|staged32x1|staged32x3|unstaged\n");
+      if (!FromName(kSlcDkDvNames, argv[i + 1], choice.dkdv)) {
+        std::fprintf(stderr, "--slc-dkdv takes %s\n", Spellings(kSlcDkDvNames).c_str());
         return 2;
       }
     } else if (a == "--slc-dq") {
-      if (!FromName(kDqNames, argv[i + 1], choice.dq)) {
-        std::fprintf(stderr, "--slc-dq takes auto|query|fused\n");
+      if (!FromName(kSlcDqNames, argv[i + 1], choice.dq)) {
+        std::fprintf(stderr, "--slc-dq takes %s\n", Spellings(kSlcDqNames).c_str());
         return 2;
       }
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
@@ -306,7 +287,7 @@ int main(int argc, char** argv) {
                          choice.dq == Choice::Dq::kFused;
   if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
     std::fprintf(stderr, "--slc-dkdv %s / --slc-dq %s is a D=64 build: run it with --dims 64\n",
-                 NameOf(kDkDvNames, choice.dkdv), NameOf(kDqNames, choice.dq));
+                 NameOf(kSlcDkDvNames, choice.dkdv), NameOf(kSlcDqNames, choice.dq));
     return 2;
   }
   if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
@@ -319,13 +300,13 @@ int main(int argc, char** argv) {
   }
   nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
   std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, queries per dkdv item %d%s\n",
-              NameOf(kFwdNames, choice.fwd), NameOf(kDkDvNames, choice.dkdv), NameOf(kDqNames, choice.dq),
+              NameOf(kSlcFwdNames, choice.fwd), NameOf(kSlcDkDvNames, choice.dkdv), NameOf(kSlcDqNames, choice.dq),
               choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
   nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
-  std::printf("# window forward: %s\n", NameOf(kWinNames, win_choice.forward));
+  std::printf("# window forward: %s\n", NameOf(kWinFwdNames, win_choice.forward));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   const Ceilings ceilings = MeasureCeilings(warmup, std::max(reps, 5));
   std::printf("# ceilings on this GPU: copy %.0f GB/s (read + write), bf16 matmul %.0f TFLOP/s\n",

@@ -53,7 +53,7 @@
 #include "trainer/optimizer.h"
 #include "trainer/step_graph.h"
 #ifdef NSAD_HAVE_CUDA_KERNELS
-#include "kernel_choice.h"
+#include "kernel_choice_names.h"
 #endif
 
 namespace {
@@ -379,14 +379,12 @@ int main(int argc, char** argv) {
       opt.profile_top = std::stoi(value);
     } else if (flag == "--win-fwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      using WinChoice = nsad::nsa::cuda::detail::WindowKernelChoice;
-      const std::map<std::string, WinChoice::Forward> names = {
-          {"auto", WinChoice::Forward::kAuto}, {"flash", WinChoice::Forward::kFlash}, {"tiled", WinChoice::Forward::kTiled}};
-      if (!names.count(value)) {
-        std::fprintf(stderr, "--win-fwd takes auto|flash|tiled\n");
+      nsad::nsa::cuda::detail::WindowKernelChoice choice;
+      if (!nsad::bench::FromName(nsad::bench::kWinFwdNames, value, choice.forward)) {
+        std::fprintf(stderr, "--win-fwd takes %s\n", nsad::bench::Spellings(nsad::bench::kWinFwdNames).c_str());
         return 2;
       }
-      nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting({names.at(value)});
+      nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(choice);
       std::printf("# window forward: %s\n", value.c_str());
 #else
       std::fprintf(stderr, "--win-fwd needs the CUDA kernels (this build has none)\n");
@@ -394,21 +392,13 @@ int main(int argc, char** argv) {
 #endif
     } else if (flag == "--slc-dq" || flag == "--slc-fwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      using Choice = nsad::nsa::cuda::detail::SelectedKernelChoice;
-      Choice choice = nsad::nsa::cuda::detail::GetSelectedKernelChoice();
-      const std::map<std::string, Choice::Dq> dq = {
-          {"auto", Choice::Dq::kAuto}, {"query", Choice::Dq::kQuerySide}, {"fused", Choice::Dq::kFused}};
-      const std::map<std::string, Choice::Fwd> fwd = {{"auto", Choice::Fwd::kAuto},
-                                                      {"rows", Choice::Fwd::kRows},
-                                                      {"heads", Choice::Fwd::kHeads},
-                                                      {"tiled", Choice::Fwd::kTiled},
-                                                      {"blocks", Choice::Fwd::kBlocks}};
-      if (flag == "--slc-dq" && dq.count(value)) {
-        choice.dq = dq.at(value);
-      } else if (flag == "--slc-fwd" && fwd.count(value)) {
-        choice.fwd = fwd.at(value);
-      } else {
-        std::fprintf(stderr, "--slc-dq takes auto|query|fused, --slc-fwd auto|rows|heads|tiled|blocks\n");
+      using nsad::bench::FromName;
+      auto choice = nsad::nsa::cuda::detail::GetSelectedKernelChoice();
+      const bool known = flag == "--slc-dq" ? FromName(nsad::bench::kSlcDqNames, value, choice.dq)
+                                            : FromName(nsad::bench::kSlcFwdNames, value, choice.fwd);
+      if (!known) {
+        std::fprintf(stderr, "--slc-dq takes %s, --slc-fwd %s\n", nsad::bench::Spellings(nsad::bench::kSlcDqNames).c_str(),
+                     nsad::bench::Spellings(nsad::bench::kSlcFwdNames).c_str());
         return 2;
       }
       nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);

@@ -1,0 +1,56 @@
+// Command-line names of the kernel choices (kernels/kernel_choice.h), one table per choice,
+// shared by nsa_bench and train_bench so that both take the same spellings.
+// Torch-free, like kernel_choice.h.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "kernel_choice.h"
+
+namespace nsad::bench {
+
+using SelectedChoice = nsa::cuda::detail::SelectedKernelChoice;
+using WindowChoice = nsa::cuda::detail::WindowKernelChoice;
+using CompressedChoice = nsa::cuda::detail::CompressedKernelChoice;
+
+constexpr std::pair<const char*, SelectedChoice::Fwd> kSlcFwdNames[] = {
+    {"auto", SelectedChoice::Fwd::kAuto},   {"rows", SelectedChoice::Fwd::kRows},
+    {"heads", SelectedChoice::Fwd::kHeads}, {"tiled", SelectedChoice::Fwd::kTiled},
+    {"blocks", SelectedChoice::Fwd::kBlocks}};
+constexpr std::pair<const char*, SelectedChoice::DkDv> kSlcDkDvNames[] = {
+    {"auto", SelectedChoice::DkDv::kAuto},             {"staged16x3", SelectedChoice::DkDv::kStaged16x3},
+    {"staged32x1", SelectedChoice::DkDv::kStaged32x1}, {"staged32x3", SelectedChoice::DkDv::kStaged32x3},
+    {"unstaged", SelectedChoice::DkDv::kUnstaged}};
+constexpr std::pair<const char*, SelectedChoice::Dq> kSlcDqNames[] = {
+    {"auto", SelectedChoice::Dq::kAuto}, {"query", SelectedChoice::Dq::kQuerySide},
+    {"fused", SelectedChoice::Dq::kFused}};
+constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
+    {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
+    {"tiled", WindowChoice::Forward::kTiled}};
+constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
+    {"auto", CompressedChoice::Path::kAuto}, {"registers", CompressedChoice::Path::kRegisters}};
+
+// Value of a name in one of the tables; false when the name is not there.
+template <typename E, std::size_t N>
+bool FromName(const std::pair<const char*, E> (&names)[N], const std::string& name, E& out) {
+  for (const auto& [n, e] : names)
+    if (name == n) return out = e, true;
+  return false;
+}
+template <typename E, std::size_t N>
+const char* NameOf(const std::pair<const char*, E> (&names)[N], E e) {
+  for (const auto& [n, v] : names)
+    if (v == e) return n;
+  return "?";
+}
+// The names a flag takes, for its error message: "auto|rows|...".
+template <typename E, std::size_t N>
+std::string Spellings(const std::pair<const char*, E> (&names)[N]) {
+  std::string all;
+  for (const auto& [n, e] : names) all += (all.empty() ? "" : "|") + std::string(n);
+  return all;
+}
+
+}  // namespace nsad::bench
