@@ -30,7 +30,9 @@ constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
-    {"auto", CompressedChoice::Path::kAuto}, {"registers", CompressedChoice::Path::kRegisters}};
+    {"auto", CompressedChoice::Path::kAuto}, {"own", CompressedChoice::Path::kOwn},
+    {"registers", CompressedChoice::Path::kRegisters},
+    {"dense", CompressedChoice::Path::kDense}};
 
 // Value of a name in one of the tables; false when the name is not there.
 template <typename E, std::size_t N>

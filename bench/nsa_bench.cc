@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|registers]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -15,7 +15,8 @@
 // dK/dV kernel (staged register budgets rows x CTAs per SM are D=64 builds), where dQ comes
 // from (the query-side kernel, or fused into dK/dV: a D=64 build) and queries per dK/dV
 // work item (0 = auto) through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
-// in one binary; --cmp-kernel registers forces the compressed branch's register-only kernels
+// in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
+// kernels at every length, our register-only kernels, or cuDNN over packed query rows
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
 // FlashAttention-2 instead of the tiled kernel (WindowKernelChoice). The default is the
 // dispatch training uses. Choices print first.

@@ -18,8 +18,11 @@
 // mma::DkDvMmaKernel: 64 rows per CTA, 16 per warp, operands straight from L1/L2) remain for
 // geometries the shared-memory importance mapping does not cover and for A/B timing
 // (CompressedKernelChoice in kernel_choice.h). fp32 inputs keep the scalar kernels of attention_tile.cuh.
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <string>
 #include <type_traits>
 
@@ -955,27 +958,63 @@ void AllowSmem(Kernel kernel, int bytes) {
 
 template <typename scalar_t, int D>
 void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
-                 at::Tensor& lse, at::Tensor& importance, const Shape& s, const Geo& g, int NS,
-                 float scale_log2) {
+                 at::Tensor& lse, const Shape& s, const Geo& g, int NS, float scale_log2) {
   using Cfg = CmpSmemCfg<D>;
   const int per_cta = Cfg::kRows / s.hq();
   const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
   const auto fwd = CmpSmemKernel<scalar_t, D, false>;
-  const auto imp = CmpSmemKernel<scalar_t, D, true>;
   AllowSmem(fwd, Cfg::kFwdSmem);
-  AllowSmem(imp, Cfg::kImpSmem);
-  fwd<<<grid, Cfg::kThreads, Cfg::kFwdSmem, stream>>>(
+  fwd<<<grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
       q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, per_cta, NS, g.slc_block,
       g.cmp_block, g.cmp_stride, scale_log2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  imp<<<grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
-      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
-      lse.data_ptr<float>(), importance.data_ptr<float>(), s, per_cta, NS, g.slc_block,
-      g.cmp_block, g.cmp_stride, scale_log2);
+}
+
+// The importance pass on tensor cores, from the row log-sum-exp (the shared-memory kernel
+// writes every importance value; the register-only one adds into zeros).
+template <typename scalar_t, int D>
+void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
+                      at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
+                      bool smem_path) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (smem_path) {
+    using Cfg = CmpSmemCfg<D>;
+    const int per_cta = Cfg::kRows / s.hq();
+    const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+    const auto imp = CmpSmemKernel<scalar_t, D, true>;
+    AllowSmem(imp, Cfg::kImpSmem);
+    imp<<<grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
+        q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
+        importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
+  } else {
+    const int per_cta = MmaPositionsPerCta(s);
+    const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+    CmpImportanceMmaKernel<scalar_t, D><<<grid, mma::kMmaThreads, 0, stream>>>(
+        q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+        importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor NewImportance(const at::Tensor& q, const Shape& s, int NS, bool smem_path) {
+  const auto opts = q.options().dtype(at::kFloat);
+  return smem_path ? at::empty({s.B, s.T, s.G, NS}, opts) : at::zeros({s.B, s.T, s.G, NS}, opts);
+}
+
+// From this many tokens the compressed branch runs on cuDNN by default. H100, one NSA layer
+// forward+backward (PERFORMANCE.md, "Compressed branch on cuDNN"): at 8k our kernels win at
+// 12:2 (1.85 against 2.07 ms, D=64), at 16k the two tie at D=64 and cuDNN wins at D=128
+// (7.49 against 7.80 ms), from 32k cuDNN wins everywhere (64k D=64 12:2: 17.0 against 20.0
+// ms); at T=2048 batch 16 it loses clearly (4.41 against 4.17 ms).
+constexpr int64_t kDenseFromTokens = 16384;
+
+bool CudnnAttentionUsable() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  return at::globalContext().userEnabledCuDNN() && hooks.hasCuDNN() && hooks.versionRuntimeCuDNN() >= 90000;
 }
 
 }  // namespace
@@ -991,8 +1030,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
   auto lse = at::empty({s.B, s.T, s.H}, q.options().dtype(at::kFloat));
   // The shared-memory kernels write every importance value; the others add into zeros.
   const bool smem_path = q.scalar_type() != at::kFloat && UseSmemForward(g);
-  auto importance = smem_path ? at::empty({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat))
-                              : at::zeros({s.B, s.T, s.G, NS}, q.options().dtype(at::kFloat));
+  auto importance = NewImportance(q, s, NS, smem_path);
   const CmpQueryPolicy pol = QueryPolicy(s, g);
   const int rows = pol.positions_per_cta * s.hq();
   const dim3 grid((s.T + pol.positions_per_cta - 1) / pol.positions_per_cta, s.G, s.B);
@@ -1002,23 +1040,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
         if (smem_path) {
-          SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, importance, s, g, NS, scale_log2);
-          return;
+          SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, s, g, NS, scale_log2);
+        } else {
+          const int per_cta = MmaPositionsPerCta(s);
+          const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
+          if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
+          CmpQueryMmaKernel<scalar_t, D, false><<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
+              nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, per_cta, g.cmp_block,
+              g.cmp_stride, scale_log2, 0.f);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        const int per_cta = MmaPositionsPerCta(s);
-        const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-        if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
-        const auto stream = at::cuda::getCurrentCUDAStream();
-        CmpQueryMmaKernel<scalar_t, D, false><<<mgrid, mma::kMmaThreads, 0, stream>>>(
-            q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
-            nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, per_cta, g.cmp_block,
-            g.cmp_stride, scale_log2, 0.f);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        CmpImportanceMmaKernel<scalar_t, D><<<mgrid, mma::kMmaThreads, 0, stream>>>(
-            q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-            importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride,
-            scale_log2);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        LaunchImportance<scalar_t, D>(q, k_cmp, lse, importance, s, g, NS, scale_log2, smem_path);
       } else {
         Launch(AttnFwdKernel<scalar_t, D, CmpQueryPolicy>, grid, FwdSmemFloats(rows, D) * sizeof(float),
                q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
@@ -1031,6 +1064,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
     });
   });
   return {out, lse, importance};
+}
+
+at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
+                                const Geo& g) {
+  CheckCompressed(q, k_cmp, k_cmp, g);
+  TORCH_CHECK(q.scalar_type() != at::kFloat, "the importance pass alone runs on bf16/fp16 inputs");
+  const Shape s = MakeShape(q, k_cmp);
+  TORCH_CHECK(lse.is_cuda() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.sizes() == at::IntArrayRef({s.B, s.T, s.H}),
+              "lse must be a contiguous float32 [B,T,H] CUDA tensor, got ", lse.sizes());
+  const int NS = (s.T + g.slc_block - 1) / g.slc_block;
+  const bool smem_path = UseSmemForward(g);
+  auto importance = NewImportance(q, s, NS, smem_path);
+  const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "nsa_cmp_importance", [&] {
+    DispatchHeadDim(s.D, [&](auto dim) {
+      LaunchImportance<scalar_t, decltype(dim)::value>(q, k_cmp, lse, importance, s, g, NS, scale_log2,
+                                                        smem_path);
+    });
+  });
+  return importance;
+}
+
+bool UseDenseCompressed(const at::Tensor& q, const Geo& g) {
+  const auto path = GetCompressedKernelChoice().path;
+  if (path == CompressedKernelChoice::Path::kRegisters || path == CompressedKernelChoice::Path::kOwn) return false;
+  const bool reduced = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
+  const int64_t D = q.size(-1);
+  const bool shape_ok = D % 8 == 0 && D <= 128;
+  if (path == CompressedKernelChoice::Path::kDense) {
+    TORCH_CHECK(reduced, "the cuDNN compressed path takes bf16/fp16 inputs, got ", q.scalar_type());
+    TORCH_CHECK(shape_ok, "the cuDNN compressed path takes head_dim a multiple of 8 up to 128, got ", D);
+    TORCH_CHECK(CudnnAttentionUsable(), "the cuDNN compressed path needs cuDNN 9 or newer, enabled");
+    return true;
+  }
+  return reduced && shape_ok && q.size(1) >= kDenseFromTokens && CudnnAttentionUsable();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(

@@ -50,12 +50,15 @@ struct SelectedKernelChoice {
 void SetSelectedKernelChoiceForTesting(const SelectedKernelChoice& choice);
 SelectedKernelChoice GetSelectedKernelChoice();
 
-// Compressed attention, bf16/fp16 inputs: kAuto takes the shared-memory (cp.async + ldmatrix)
-// kernels wherever the geometry allows them and the register-only kernels elsewhere;
-// kRegisters forces the register-only kernels (the fallback path, and the "before" of A/B
-// timings). fp32 inputs always take the scalar kernels.
+// Compressed attention, bf16/fp16 inputs: kAuto runs long sequences (16k tokens and more) on
+// cuDNN's causal attention over packed query rows (compressed_packed.cu), with the importance
+// pass on our kernel, and shorter ones on the shared-memory (cp.async + ldmatrix) kernels
+// wherever the geometry allows them, the register-only kernels elsewhere. kDense forces
+// cuDNN, kOwn our kernels at every length (the "before" of A/B timings), kRegisters the
+// register-only kernels (the fallback path). fp32 inputs always take the scalar kernels (a
+// forced kDense fails on them).
 struct CompressedKernelChoice {
-  enum class Path { kAuto, kRegisters };
+  enum class Path { kAuto, kOwn, kRegisters, kDense };
   Path path = Path::kAuto;
 };
 

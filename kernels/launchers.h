@@ -37,6 +37,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_cmp,
     const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g);
 
+// Compressed attention over cuDNN (nsa_cuda.cc): the branch is dense causal attention of N
+// packed query rows over the N compressed blocks (compressed_packed.cu says why).
+// [B,T,H,D] -> [B,N,H*d,D] (head' = h*d + r holds position l-1 + row*d + r; slots past T zero).
+at::Tensor PackCompressedRows(const at::Tensor& x, const Geo& g);
+// [B,N,H*d,D] -> [B,T,H,D], zero at the positions before l-1 (they see no block).
+at::Tensor UnpackCompressedRows(const at::Tensor& packed, int64_t T, const Geo& g);
+// The packed rows' log-sum-exp ([B,H*d,N] or [B,H*d,N,1], natural log) -> [B,T,H] float32 in
+// log2 units, +inf where a position sees no block (the custom forward's convention).
+at::Tensor CompressedLseFromPacked(const at::Tensor& lse_packed, int64_t T, const Geo& g);
+// The importance pass alone, from the forward's log-sum-exp ([B,T,H], log2 units):
+// [B,T,G,NS] float32. bf16/fp16 inputs.
+at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
+                                const Geo& g);
+// Whether the compressed branch runs on cuDNN for q (CompressedKernelChoice, kernel_choice.h);
+// a forced kDense that cannot run (fp32, head_dim not a multiple of 8 or over 128, no cuDNN)
+// fails.
+bool UseDenseCompressed(const at::Tensor& q, const Geo& g);
+
 // Sliding-window forward on the tiled kernel (window_attention.cu): out [B,T,H,D] and lse
 // [B,T,H] float32 in log2 units; bf16/fp16, head_dim 64 or 128. The backward is
 // FlashAttention-2's (nsa_cuda.cc).

@@ -1,6 +1,8 @@
 // The NSA CUDA ops as autograd functions (contract: nsa_cuda.h / nsa/ops.h).
 //
-// Selected and compressed attention run the custom kernels of this folder. Sliding-window
+// Selected and compressed attention run the custom kernels of this folder; from 16k tokens the
+// compressed branch's attention runs on cuDNN over packed query rows (CompressedDenseFn), its
+// importance pass still on our kernel. Sliding-window
 // attention runs PyTorch's own FlashAttention-2 kernels (at::_flash_attention_forward /
 // _backward with window_size_left = w - 1, window_size_right = 0): they take GQA natively
 // (K/V keep G heads) and are faster than anything we would write for a dense local window.
@@ -88,6 +90,52 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
   }
 };
 
+// Compressed attention on cuDNN (long sequences; CompressedKernelChoice, kernel_choice.h):
+// causal attention of the packed query rows over the compressed blocks (compressed_packed.cu
+// says why that is the branch), then our importance pass from cuDNN's log-sum-exp. The
+// backward is cuDNN's, given the forward's packed rows, output, log-sum-exp and RNG state
+// (no dropout: empty).
+struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
+                             const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
+                             const Geometry& g) {
+    RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
+    const Geo geo = ToGeo(g);
+    const int64_t T = q.size(1), N = k_cmp.size(1);
+    const auto q_rows = detail::PackCompressedRows(q, geo);
+    auto [out_rows, lse_rows, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
+        at::_scaled_dot_product_cudnn_attention(
+            q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2),
+            /*attn_bias=*/std::nullopt, /*compute_log_sumexp=*/true, /*dropout_p=*/0.0,
+            /*is_causal=*/true, /*return_debug_mask=*/false, Scale(q));
+    const auto lse = detail::CompressedLseFromPacked(lse_rows, T, geo);
+    auto out = detail::UnpackCompressedRows(out_rows.transpose(1, 2).contiguous(), T, geo);
+    auto importance = detail::CompressedImportance(q, k_cmp, lse, geo);
+    ctx->save_for_backward({q_rows, k_cmp, v_cmp, out_rows, lse_rows, seed, offset});
+    ctx->saved_data["rows"] = N;
+    ctx->saved_data["T"] = T;
+    ctx->mark_non_differentiable({importance});
+    SaveGeometry(ctx, g);
+    return {out, importance};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
+    const auto s = ctx->get_saved_variables();
+    const Geo geo = ToGeo(LoadGeometry(ctx));
+    const int64_t N = ctx->saved_data["rows"].toInt(), T = ctx->saved_data["T"].toInt();
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // Same layout as the saved output ([B,N,H*d,D] in memory), as cuDNN's backward expects.
+    const auto dout_rows = detail::PackCompressedRows(grads[0].contiguous(), geo);
+    auto [dq_rows, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
+        dout_rows.transpose(1, 2), s[0].transpose(1, 2), s[1].transpose(1, 2), s[2].transpose(1, 2), s[3],
+        s[4], s[5], s[6], /*attn_bias=*/torch::Tensor(), /*cum_seq_q=*/torch::Tensor(),
+        /*cum_seq_k=*/torch::Tensor(), N, N, /*dropout_p=*/0.0, /*is_causal=*/true, Scale(s[0]));
+    auto dq = detail::UnpackCompressedRows(dq_rows.transpose(1, 2).contiguous(), T, geo);
+    return {dq, dk.transpose(1, 2), dv.transpose(1, 2), torch::Tensor()};
+  }
+  static double Scale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
+};
+
 // A causal window of w keys: window_size_left = w - 1 keeps keys (t - w, t], exactly the
 // contract's window. Forward: the tiled kernel (window_attention.cu) where it applies, else
 // FlashAttention-2's; backward: FlashAttention-2's, given the forward's output and its
@@ -151,7 +199,12 @@ bool Available() {
 
 CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Tensor& k_cmp,
                                         const torch::Tensor& v_cmp, const Geometry& g) {
-  auto outs = CompressedAttentionFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g);
+  // Under two compressed blocks the custom kernels run: with none (T < l) there is nothing to
+  // attend, and cuDNN's backward refuses a single row. UseDenseCompressed still refuses a
+  // forced path it cannot run at all.
+  const bool dense = detail::UseDenseCompressed(q, ToGeo(g)) && k_cmp.size(1) >= 2;
+  auto outs = dense ? CompressedDenseFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g)
+                    : CompressedAttentionFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g);
   return {outs[0], outs[1]};
 }
 

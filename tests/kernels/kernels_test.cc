@@ -24,6 +24,7 @@
 #include "nsa_cuda.h"
 #include "test_names.h"
 #include "kernel_choice.h"
+#include "launchers.h"
 
 namespace nsad::nsa {
 namespace {
@@ -262,6 +263,25 @@ TEST_P(KernelsTest, CompressedAttentionRegisterKernels) {
   CheckCompressedAttention();
 }
 
+// Long sequences run the compressed branch's attention on cuDNN over packed query rows
+// (kernels/compressed_packed.cu) and the importance pass on our kernel; force that path on
+// every shape so the packing stays right for short, ragged and batched inputs too. fp32
+// inputs refuse it instead of quietly running the scalar kernels.
+TEST_P(KernelsTest, CompressedAttentionOnCudnn) {
+  cuda::detail::CompressedKernelChoice choice;
+  choice.path = cuda::detail::CompressedKernelChoice::Path::kDense;
+  const cuda::detail::ScopedCompressedKernelChoice force(choice);
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) {
+    const int64_t N = NumCmpBlocks(c.T, geo_);
+    const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+    const auto kv = torch::randn({1, N, c.G, c.D}, Opts());
+    EXPECT_THROW(cuda::CompressedAttention(q, kv, kv, geo_), c10::Error);
+    return;
+  }
+  CheckCompressedAttention();
+}
+
 void KernelsTest::CheckCompressedAttention() {
   const Case c = GetParam();
   const int64_t N = NumCmpBlocks(c.T, geo_), NS = NumSlcBlocks(c.T, geo_);
@@ -359,6 +379,68 @@ TEST_P(KernelsTest, SelectBlocksResolvesTiesToTheLowerIndex) {
 // lane's blocks (1, 33, 65, ...) ahead of all others, so that more than 32 candidates pass
 // the kernel's threshold and it takes its fallback. Every 7th row is checked against the CPU
 // oracle (it sorts each row), plus the last rows, which have the most candidates.
+// Outside the parameterised shapes: a geometry whose block length is not a multiple of its
+// stride (l = 40, d = 8: rows of 8 positions, the first at t = 39) on the cuDNN path, and the
+// default dispatch from 16k tokens, which takes cuDNN without being forced.
+class CompressedOnCudnn : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(cuda::Available());
+    torch::manual_seed(77);
+  }
+  // Output and every gradient against the float32 reference.
+  static void Check(int64_t T, int64_t H, int64_t G, const Geometry& geo) {
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    const int64_t N = NumCmpBlocks(T, geo), D = 64;
+    auto q = torch::randn({2, T, H, D}, opts).requires_grad_(true);
+    auto k = torch::randn({2, N, G, D}, opts).requires_grad_(true);
+    auto v = torch::randn({2, N, G, D}, opts).requires_grad_(true);
+    const auto grad = torch::randn({2, T, H, D}, opts);
+    auto got = cuda::CompressedAttention(q, k, v, geo);
+    got.out.backward(grad);
+    auto q32 = q.detach().to(torch::kFloat).requires_grad_(true);
+    auto k32 = k.detach().to(torch::kFloat).requires_grad_(true);
+    auto v32 = v.detach().to(torch::kFloat).requires_grad_(true);
+    auto ref = CompressedAttentionReference(q32, k32, v32, geo);
+    ref.out.backward(grad.to(torch::kFloat));
+    const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+      const auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+      return ((a64 - b64).norm() / b64.norm()).item<double>();
+    };
+    EXPECT_LT(rel(got.out, ref.out), 2e-2);
+    EXPECT_LT(rel(q.grad(), q32.grad()), 2e-2);
+    EXPECT_LT(rel(k.grad(), k32.grad()), 2e-2);
+    EXPECT_LT(rel(v.grad(), v32.grad()), 2e-2);
+    // Positions before l - 1 see no block: exactly zero output and gradient.
+    const int64_t blind = std::min(T, geo.cmp_block - 1);
+    EXPECT_EQ(got.out.narrow(1, 0, blind).abs().max().item<float>(), 0.f);
+    EXPECT_EQ(q.grad().narrow(1, 0, blind).abs().max().item<float>(), 0.f);
+  }
+};
+
+TEST_F(CompressedOnCudnn, BlockLengthNotAMultipleOfTheStride) {
+  cuda::detail::CompressedKernelChoice choice;
+  choice.path = cuda::detail::CompressedKernelChoice::Path::kDense;
+  const cuda::detail::ScopedCompressedKernelChoice force(choice);
+  Geometry geo;
+  geo.cmp_block = 40;
+  geo.cmp_stride = 8;
+  Check(1003, 6, 2, geo);
+}
+
+TEST_F(CompressedOnCudnn, DefaultFromSixteenKTokens) {
+  const auto q = [](int64_t T, torch::ScalarType dtype) {
+    return torch::empty({1, T, 4, 64}, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+  };
+  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
+  EXPECT_TRUE(cuda::detail::UseDenseCompressed(q(16384, torch::kBFloat16), geo));
+  EXPECT_TRUE(cuda::detail::UseDenseCompressed(q(16384, torch::kHalf), geo));
+  EXPECT_FALSE(cuda::detail::UseDenseCompressed(q(16383, torch::kBFloat16), geo));
+  EXPECT_FALSE(cuda::detail::UseDenseCompressed(q(16384, torch::kFloat), geo));
+  Check(16400, 4, 2, Geometry{});
+}
+
 TEST(SelectBlocksLongRows, FollowTheRules) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
