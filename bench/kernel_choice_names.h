@@ -26,6 +26,9 @@ constexpr std::pair<const char*, SelectedChoice::DkDv> kSlcDkDvNames[] = {
 constexpr std::pair<const char*, SelectedChoice::Dq> kSlcDqNames[] = {
     {"auto", SelectedChoice::Dq::kAuto}, {"query", SelectedChoice::Dq::kQuerySide},
     {"fused", SelectedChoice::Dq::kFused}};
+constexpr std::pair<const char*, SelectedChoice::Order> kSlcOrderNames[] = {
+    {"auto", SelectedChoice::Order::kAuto}, {"block", SelectedChoice::Order::kBlock},
+    {"position", SelectedChoice::Order::kPosition}};
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};

@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -14,7 +14,7 @@
 // --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc force the selected branch's forward/dQ kernel,
 // dK/dV kernel (staged register budgets rows x CTAs per SM are D=64 builds), where dQ comes
 // from (the query-side kernel, or fused into dK/dV: a D=64 build) and queries per dK/dV
-// work item (0 = auto) through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
+// work item (0 = auto), and the launch order of the key-centric work items, through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
 // in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
 // kernels at every length, our register-only kernels, or cuDNN over packed query rows
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
@@ -69,6 +69,7 @@ using nsad::bench::kCmpNames;
 using nsad::bench::kSlcDkDvNames;
 using nsad::bench::kSlcDqNames;
 using nsad::bench::kSlcFwdNames;
+using nsad::bench::kSlcOrderNames;
 using nsad::bench::kWinFwdNames;
 
 double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
@@ -281,6 +282,11 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--slc-dq takes %s\n", Spellings(kSlcDqNames).c_str());
         return 2;
       }
+    } else if (a == "--slc-order") {
+      if (!FromName(kSlcOrderNames, argv[i + 1], choice.order)) {
+        std::fprintf(stderr, "--slc-order takes %s\n", Spellings(kSlcOrderNames).c_str());
+        return 2;
+      }
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
@@ -300,8 +306,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
-  std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, queries per dkdv item %d%s\n",
+  std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, item order %s, queries per dkdv item %d%s\n",
               NameOf(kSlcFwdNames, choice.fwd), NameOf(kSlcDkDvNames, choice.dkdv), NameOf(kSlcDqNames, choice.dq),
+              NameOf(kSlcOrderNames, choice.order),
               choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);

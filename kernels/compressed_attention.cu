@@ -1002,7 +1002,7 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
 
 at::Tensor NewImportance(const at::Tensor& q, const Shape& s, int NS, bool smem_path) {
   const auto opts = q.options().dtype(at::kFloat);
-  return smem_path ? at::empty({s.B, s.T, s.G, NS}, opts) : at::zeros({s.B, s.T, s.G, NS}, opts);
+  return smem_path ? at::empty({s.B, s.T, s.G, NS}, opts) : ZeroFloats({s.B, s.T, s.G, NS}, opts);
 }
 
 // From this many tokens the compressed branch runs on cuDNN by default. H100, one NSA layer
@@ -1111,8 +1111,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
   auto dq = at::empty_like(q);
-  auto dk_acc = at::zeros(k_cmp.sizes(), k_cmp.options().dtype(at::kFloat));
-  auto dv_acc = at::zeros(v_cmp.sizes(), v_cmp.options().dtype(at::kFloat));
+  auto dk_acc = ZeroFloats(k_cmp.sizes(), k_cmp.options());
+  auto dv_acc = ZeroFloats(v_cmp.sizes(), v_cmp.options());
   const CmpQueryPolicy qpol = QueryPolicy(s, g);
   const CmpKeyPolicy kpol{g.cmp_block, g.cmp_stride, KeyQueriesPerCta(s)};
   const int rows = qpol.positions_per_cta * s.hq();

@@ -34,9 +34,16 @@ struct SelectedKernelChoice {
   // bf16/fp16, D=64 builds, any staged DkDv budget). kAuto: the measured default.
   enum class Dq { kAuto, kQuerySide, kFused };
 
+  // Launch order of the key-centric work items (dK/dV and the kBlocks forward): by (b, g,
+  // block) and slice (kBlock), or by the first position of each slice (kPosition), so that
+  // the CTAs running together read and add into the same positions' Q, dO and dQ rows while
+  // they are in L2. kAuto: the measured default.
+  enum class Order { kAuto, kBlock, kPosition };
+
   Fwd fwd = Fwd::kAuto;
   DkDv dkdv = DkDv::kAuto;
   Dq dq = Dq::kAuto;
+  Order order = Order::kAuto;
   // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
   // the measured default (128), else 1..512 (the kernels keep the item's positions in shared
   // memory).

@@ -188,7 +188,24 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"dq fused, staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0, Dq::kFused), true, true},
       {"dq fused, staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0, Dq::kFused), true, true},
       {"dq fused, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused), true,
-       true}};
+       true},
+      // Work items launched in position order (an indirection through the sorted item list)
+      // for the block forward and dK/dV, with short slices so the order has many items to
+      // permute.
+      {"fwd blocks, position order, 24 queries per item",
+       [&] {
+         Choice c = make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24);
+         c.order = Choice::Order::kPosition;
+         return c;
+       }(),
+       true, false},
+      {"dkdv position order, 24 queries per item",
+       [&] {
+         Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24);
+         c.order = Choice::Order::kPosition;
+         return c;
+       }(),
+       false, false}};
   const Case c = GetParam();
   for (const Path& path : paths) {
     if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
