@@ -956,18 +956,28 @@ void AllowSmem(Kernel kernel, int bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// Grid of the shared-memory query-side kernels (forward, importance, dQ): whole positions of
+// one group, all heads, per CTA.
+template <int D>
+struct SmemQueryGrid {
+  int per_cta;
+  dim3 grid;
+  explicit SmemQueryGrid(const Shape& s)
+      : per_cta(CmpSmemCfg<D>::kRows / s.hq()), grid((s.T + per_cta - 1) / per_cta, s.G, s.B) {}
+  bool Empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
+};
+
 template <typename scalar_t, int D>
 void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
                  at::Tensor& lse, const Shape& s, const Geo& g, int NS, float scale_log2) {
   using Cfg = CmpSmemCfg<D>;
-  const int per_cta = Cfg::kRows / s.hq();
-  const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const SmemQueryGrid<D> sg(s);
+  if (sg.Empty()) return;
   const auto fwd = CmpSmemKernel<scalar_t, D, false>;
   AllowSmem(fwd, Cfg::kFwdSmem);
-  fwd<<<grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+  fwd<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
       q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
-      out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, per_cta, NS, g.slc_block,
+      out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, sg.per_cta, NS, g.slc_block,
       g.cmp_block, g.cmp_stride, scale_log2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -981,14 +991,13 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (smem_path) {
     using Cfg = CmpSmemCfg<D>;
-    const int per_cta = Cfg::kRows / s.hq();
-    const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+    const SmemQueryGrid<D> sg(s);
+    if (sg.Empty()) return;
     const auto imp = CmpSmemKernel<scalar_t, D, true>;
     AllowSmem(imp, Cfg::kImpSmem);
-    imp<<<grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
+    imp<<<sg.grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
-        importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
+        importance.data_ptr<float>(), s, sg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
   } else {
     const int per_cta = MmaPositionsPerCta(s);
     const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
@@ -1126,16 +1135,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
         const int per_cta = MmaPositionsPerCta(s);
         const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
         using Cfg = CmpSmemCfg<D>;
-        const int smem_per_cta = Cfg::kRows / s.hq();
-        const dim3 sgrid((s.T + smem_per_cta - 1) / smem_per_cta, s.G, s.B);
+        const SmemQueryGrid<D> sg(s);
         if (!LegacyRequested()) {
-          if (sgrid.x > 0 && sgrid.y > 0 && sgrid.z > 0) {
+          if (!sg.Empty()) {
             const auto kernel = CmpSmemDqKernel<scalar_t, D>;
             AllowSmem(kernel, Cfg::kFwdSmem);
-            kernel<<<sgrid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+            kernel<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
                 q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
                 dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                dq.data_ptr<scalar_t>(), s, smem_per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
+                dq.data_ptr<scalar_t>(), s, sg.per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
                 scale);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }

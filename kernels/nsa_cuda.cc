@@ -69,6 +69,14 @@ struct SelectedAttentionFn : torch::autograd::Function<SelectedAttentionFn> {
   }
 };
 
+// The end of both compressed forwards: the importance is a detached by-product.
+tensor_list CompressedOutputs(AutogradContext* ctx, const Geometry& g, const torch::Tensor& out,
+                              const torch::Tensor& importance) {
+  ctx->mark_non_differentiable({importance});
+  SaveGeometry(ctx, g);
+  return {out, importance};
+}
+
 struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
                              const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
@@ -76,9 +84,7 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
     RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
     auto [out, lse, importance] = detail::CompressedForward(q, k_cmp, v_cmp, ToGeo(g));
     ctx->save_for_backward({q, k_cmp, v_cmp, out, lse});
-    ctx->mark_non_differentiable({importance});
-    SaveGeometry(ctx, g);
-    return {out, importance};
+    return CompressedOutputs(ctx, g, out, importance);
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
@@ -114,9 +120,7 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
     ctx->save_for_backward({q_rows, k_cmp, v_cmp, out_rows, lse_rows, seed, offset});
     ctx->saved_data["rows"] = N;
     ctx->saved_data["T"] = T;
-    ctx->mark_non_differentiable({importance});
-    SaveGeometry(ctx, g);
-    return {out, importance};
+    return CompressedOutputs(ctx, g, out, importance);
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
