@@ -913,7 +913,7 @@ void CheckCompressed(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   CheckInput(v, "v_cmp", 4);
   CheckKv(q, k, v);
   const int64_t T = q.size(1);
-  const int64_t N = T < g.cmp_block ? 0 : (T - g.cmp_block) / g.cmp_stride + 1;
+  const int64_t N = NumCmpBlocks(T, g);
   TORCH_CHECK(k.size(1) == N, "k_cmp has ", k.size(1), " blocks, expected ", N, " for ", T,
               " tokens");
 }
@@ -926,8 +926,24 @@ int KeyQueriesPerCta(const Shape& s) {
   return queries;
 }
 
-// Whole positions per tensor-core CTA (all heads of a position in one CTA, for importance).
-int MmaPositionsPerCta(const Shape& s) { return std::max(1, mma::kTileRows / s.hq()); }
+// Grid of a query-side kernel: `positions` whole positions of one group, all heads, per CTA.
+struct QueryGrid {
+  int per_cta;
+  dim3 grid;
+  QueryGrid(const Shape& s, int positions)
+      : per_cta(positions), grid((s.T + positions - 1) / positions, s.G, s.B) {}
+  bool Empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
+};
+
+// The register-only tensor-core kernels: whole positions per CTA (all heads of a position in
+// one CTA, for importance).
+QueryGrid MmaQueryGrid(const Shape& s) { return {s, std::max(1, mma::kTileRows / s.hq())}; }
+
+// The shared-memory kernels (forward, importance, dQ): their 128 rows in whole positions.
+template <int D>
+QueryGrid SmemQueryGrid(const Shape& s) {
+  return {s, CmpSmemCfg<D>::kRows / s.hq()};
+}
 
 CmpQueryPolicy QueryPolicy(const Shape& s, const Geo& g) {
   return {std::max(1, kMaxRows / s.hq()), g.cmp_block, g.cmp_stride};
@@ -956,22 +972,11 @@ void AllowSmem(Kernel kernel, int bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// Grid of the shared-memory query-side kernels (forward, importance, dQ): whole positions of
-// one group, all heads, per CTA.
-template <int D>
-struct SmemQueryGrid {
-  int per_cta;
-  dim3 grid;
-  explicit SmemQueryGrid(const Shape& s)
-      : per_cta(CmpSmemCfg<D>::kRows / s.hq()), grid((s.T + per_cta - 1) / per_cta, s.G, s.B) {}
-  bool Empty() const { return grid.x == 0 || grid.y == 0 || grid.z == 0; }
-};
-
 template <typename scalar_t, int D>
 void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
                  at::Tensor& lse, const Shape& s, const Geo& g, int NS, float scale_log2) {
   using Cfg = CmpSmemCfg<D>;
-  const SmemQueryGrid<D> sg(s);
+  const QueryGrid sg = SmemQueryGrid<D>(s);
   if (sg.Empty()) return;
   const auto fwd = CmpSmemKernel<scalar_t, D, false>;
   AllowSmem(fwd, Cfg::kFwdSmem);
@@ -991,7 +996,7 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (smem_path) {
     using Cfg = CmpSmemCfg<D>;
-    const SmemQueryGrid<D> sg(s);
+    const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
     const auto imp = CmpSmemKernel<scalar_t, D, true>;
     AllowSmem(imp, Cfg::kImpSmem);
@@ -999,12 +1004,11 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
         importance.data_ptr<float>(), s, sg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
   } else {
-    const int per_cta = MmaPositionsPerCta(s);
-    const dim3 grid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-    CmpImportanceMmaKernel<scalar_t, D><<<grid, mma::kMmaThreads, 0, stream>>>(
+    const QueryGrid mg = MmaQueryGrid(s);
+    if (mg.Empty()) return;
+    CmpImportanceMmaKernel<scalar_t, D><<<mg.grid, mma::kMmaThreads, 0, stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-        importance.data_ptr<float>(), s, per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
+        importance.data_ptr<float>(), s, mg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -1042,7 +1046,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
   auto importance = NewImportance(q, s, NS, smem_path);
   const CmpQueryPolicy pol = QueryPolicy(s, g);
   const int rows = pol.positions_per_cta * s.hq();
-  const dim3 grid((s.T + pol.positions_per_cta - 1) / pol.positions_per_cta, s.G, s.B);
+  const dim3 grid = QueryGrid(s, pol.positions_per_cta).grid;
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_cmp_fwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
@@ -1051,12 +1055,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
         if (smem_path) {
           SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, s, g, NS, scale_log2);
         } else {
-          const int per_cta = MmaPositionsPerCta(s);
-          const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
-          if (mgrid.x == 0 || mgrid.y == 0 || mgrid.z == 0) return;
-          CmpQueryMmaKernel<scalar_t, D, false><<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          const QueryGrid mg = MmaQueryGrid(s);
+          if (mg.Empty()) return;
+          CmpQueryMmaKernel<scalar_t, D, false><<<mg.grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
               q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), nullptr,
-              nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, per_cta, g.cmp_block,
+              nullptr, out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, mg.per_cta, g.cmp_block,
               g.cmp_stride, scale_log2, 0.f);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -1125,17 +1128,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
   const CmpQueryPolicy qpol = QueryPolicy(s, g);
   const CmpKeyPolicy kpol{g.cmp_block, g.cmp_stride, KeyQueriesPerCta(s)};
   const int rows = qpol.positions_per_cta * s.hq();
-  const dim3 qgrid((s.T + qpol.positions_per_cta - 1) / qpol.positions_per_cta, s.G, s.B);
+  const dim3 qgrid = QueryGrid(s, qpol.positions_per_cta).grid;
   const dim3 kgrid((s.Tk + kKeyChunk - 1) / kKeyChunk, (s.T + kpol.queries_per_cta - 1) / kpol.queries_per_cta,
                    s.B * s.G);
   NSA_DISPATCH_TYPES(q.scalar_type(), "nsa_cmp_bwd", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        const int per_cta = MmaPositionsPerCta(s);
-        const dim3 mgrid((s.T + per_cta - 1) / per_cta, s.G, s.B);
         using Cfg = CmpSmemCfg<D>;
-        const SmemQueryGrid<D> sg(s);
+        const QueryGrid sg = SmemQueryGrid<D>(s), mg = MmaQueryGrid(s);
         if (!LegacyRequested()) {
           if (!sg.Empty()) {
             const auto kernel = CmpSmemDqKernel<scalar_t, D>;
@@ -1147,12 +1148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
                 scale);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-        } else if (mgrid.x > 0 && mgrid.y > 0 && mgrid.z > 0) {
+        } else if (!mg.Empty()) {
           CmpQueryMmaKernel<scalar_t, D, true>
-              <<<mgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              <<<mg.grid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), delta.data_ptr<float>(), dq.data_ptr<scalar_t>(),
-                  lse.data_ptr<float>(), s, per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
+                  lse.data_ptr<float>(), s, mg.per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
                   scale);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }

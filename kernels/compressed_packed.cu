@@ -88,13 +88,11 @@ void MoveRows(const at::Tensor& src, at::Tensor& dst, int64_t T, int64_t H, int6
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int64_t NumBlocks(int64_t T, const Geo& g) { return T < g.cmp_block ? 0 : (T - g.cmp_block) / g.cmp_stride + 1; }
-
 }  // namespace
 
 at::Tensor PackCompressedRows(const at::Tensor& x, const Geo& g) {
   CheckRows(x, "x");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), N = NumBlocks(T, g);
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), N = NumCmpBlocks(T, g);
   auto packed = at::empty({B, N, H * g.cmp_stride, x.size(3)}, x.options());
   MoveRows(x, packed, T, H, N, g, /*to_packed=*/true);
   return packed;
@@ -103,7 +101,7 @@ at::Tensor PackCompressedRows(const at::Tensor& x, const Geo& g) {
 at::Tensor UnpackCompressedRows(const at::Tensor& packed, int64_t T, const Geo& g) {
   CheckRows(packed, "packed");
   const int64_t B = packed.size(0), N = packed.size(1), H = packed.size(2) / g.cmp_stride;
-  TORCH_CHECK(N == NumBlocks(T, g) && H * g.cmp_stride == packed.size(2), "packed rows ", packed.sizes(),
+  TORCH_CHECK(N == NumCmpBlocks(T, g) && H * g.cmp_stride == packed.size(2), "packed rows ", packed.sizes(),
               " do not match ", T, " tokens");
   auto x = at::empty({B, T, H, packed.size(3)}, packed.options());
   MoveRows(packed, x, T, H, N, g, /*to_packed=*/false);
@@ -115,7 +113,7 @@ at::Tensor CompressedLseFromPacked(const at::Tensor& lse_packed, int64_t T, cons
               "lse_packed must be a float32 CUDA tensor [B, H*d, N(, 1)]");
   const auto packed = lse_packed.reshape({lse_packed.size(0), lse_packed.size(1), lse_packed.size(2)}).contiguous();
   const int64_t B = packed.size(0), H = packed.size(1) / g.cmp_stride, N = packed.size(2);
-  TORCH_CHECK(N == NumBlocks(T, g) && H * g.cmp_stride == packed.size(1), "lse_packed ", lse_packed.sizes(),
+  TORCH_CHECK(N == NumCmpBlocks(T, g) && H * g.cmp_stride == packed.size(1), "lse_packed ", lse_packed.sizes(),
               " does not match ", T, " tokens");
   auto lse = at::empty({B, T, H}, packed.options());
   if (lse.numel() == 0) return lse;

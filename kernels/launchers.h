@@ -13,6 +13,11 @@ struct Geo {
   int cmp_block, cmp_stride, slc_block, top_n, window;
 };
 
+// Compressed blocks of T tokens (nsa::NumCmpBlocks for Geo): block j covers [j d, j d + l).
+inline int64_t NumCmpBlocks(int64_t T, const Geo& g) {
+  return T < g.cmp_block ? 0 : (T - g.cmp_block) / g.cmp_stride + 1;
+}
+
 // Query heads per group the kernels accept (a CTA holds all heads of one group).
 constexpr int kMaxHeadsPerGroup = 16;
 

@@ -107,7 +107,7 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
                              const Geometry& g) {
     RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
-    const int64_t T = q.size(1), N = k_cmp.size(1);
+    const int64_t T = q.size(1);
     const auto q_rows = detail::PackCompressedRows(q, geo);
     auto [out_rows, lse_rows, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
         at::_scaled_dot_product_cudnn_attention(
@@ -118,7 +118,6 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
     auto out = detail::UnpackCompressedRows(out_rows.transpose(1, 2).contiguous(), T, geo);
     auto importance = detail::CompressedImportance(q, k_cmp, lse, geo);
     ctx->save_for_backward({q_rows, k_cmp, v_cmp, out_rows, lse_rows, seed, offset});
-    ctx->saved_data["rows"] = N;
     ctx->saved_data["T"] = T;
     return CompressedOutputs(ctx, g, out, importance);
   }
@@ -126,7 +125,7 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
     RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     const Geo geo = ToGeo(LoadGeometry(ctx));
-    const int64_t N = ctx->saved_data["rows"].toInt(), T = ctx->saved_data["T"].toInt();
+    const int64_t N = s[1].size(1), T = ctx->saved_data["T"].toInt();  // N: compressed blocks = rows
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     // Same layout as the saved output ([B,N,H*d,D] in memory), as cuDNN's backward expects.
     const auto dout_rows = detail::PackCompressedRows(grads[0].contiguous(), geo);
