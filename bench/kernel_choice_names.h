@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -56,6 +57,16 @@ std::string Spellings(const std::pair<const char*, E> (&names)[N]) {
   std::string all;
   for (const auto& [n, e] : names) all += (all.empty() ? "" : "|") + std::string(n);
   return all;
+}
+
+// A kernel-choice flag's value: FromName, and on an unknown name "<flag> takes a|b|..." on
+// stderr (the caller then exits with status 2).
+template <typename E, std::size_t N>
+bool ParseChoiceFlag(const char* flag, const std::pair<const char*, E> (&names)[N], const std::string& value,
+                     E& out) {
+  if (FromName(names, value, out)) return true;
+  std::fprintf(stderr, "%s takes %s\n", flag, Spellings(names).c_str());
+  return false;
 }
 
 }  // namespace nsad::bench

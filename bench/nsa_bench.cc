@@ -62,9 +62,8 @@ namespace nsa_cuda = nsad::nsa::cuda;
 using Choice = nsad::bench::SelectedChoice;
 using WinChoice = nsad::bench::WindowChoice;
 using CmpChoice = nsad::bench::CompressedChoice;
-using nsad::bench::FromName;
+using nsad::bench::ParseChoiceFlag;
 using nsad::bench::NameOf;
-using nsad::bench::Spellings;
 using nsad::bench::kCmpNames;
 using nsad::bench::kSlcDkDvNames;
 using nsad::bench::kSlcDqNames;
@@ -257,36 +256,18 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
     else if (a == "--cmp-kernel") {
-      if (!FromName(kCmpNames, argv[i + 1], cmp_choice.path)) {
-        std::fprintf(stderr, "--cmp-kernel takes %s\n", Spellings(kCmpNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--cmp-kernel", kCmpNames, argv[i + 1], cmp_choice.path)) return 2;
     } else if (a == "--win-fwd") {
-      if (!FromName(kWinFwdNames, argv[i + 1], win_choice.forward)) {
-        std::fprintf(stderr, "--win-fwd takes %s\n", Spellings(kWinFwdNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--win-fwd", kWinFwdNames, argv[i + 1], win_choice.forward)) return 2;
     }
     else if (a == "--slc-fwd") {
-      if (!FromName(kSlcFwdNames, argv[i + 1], choice.fwd)) {
-        std::fprintf(stderr, "--slc-fwd takes %s\n", Spellings(kSlcFwdNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--slc-fwd", kSlcFwdNames, argv[i + 1], choice.fwd)) return 2;
     } else if (a == "--slc-dkdv") {
-      if (!FromName(kSlcDkDvNames, argv[i + 1], choice.dkdv)) {
-        std::fprintf(stderr, "--slc-dkdv takes %s\n", Spellings(kSlcDkDvNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--slc-dkdv", kSlcDkDvNames, argv[i + 1], choice.dkdv)) return 2;
     } else if (a == "--slc-dq") {
-      if (!FromName(kSlcDqNames, argv[i + 1], choice.dq)) {
-        std::fprintf(stderr, "--slc-dq takes %s\n", Spellings(kSlcDqNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--slc-dq", kSlcDqNames, argv[i + 1], choice.dq)) return 2;
     } else if (a == "--slc-order") {
-      if (!FromName(kSlcOrderNames, argv[i + 1], choice.order)) {
-        std::fprintf(stderr, "--slc-order takes %s\n", Spellings(kSlcOrderNames).c_str());
-        return 2;
-      }
+      if (!ParseChoiceFlag("--slc-order", kSlcOrderNames, argv[i + 1], choice.order)) return 2;
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }

@@ -380,10 +380,7 @@ int main(int argc, char** argv) {
     } else if (flag == "--win-fwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
       nsad::nsa::cuda::detail::WindowKernelChoice choice;
-      if (!nsad::bench::FromName(nsad::bench::kWinFwdNames, value, choice.forward)) {
-        std::fprintf(stderr, "--win-fwd takes %s\n", nsad::bench::Spellings(nsad::bench::kWinFwdNames).c_str());
-        return 2;
-      }
+      if (!nsad::bench::ParseChoiceFlag("--win-fwd", nsad::bench::kWinFwdNames, value, choice.forward)) return 2;
       nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(choice);
       std::printf("# window forward: %s\n", value.c_str());
 #else
