@@ -73,6 +73,10 @@ struct SelectedAttentionFn : torch::autograd::Function<SelectedAttentionFn> {
 tensor_list CompressedOutputs(AutogradContext* ctx, const Geometry& g, const torch::Tensor& out,
                               const torch::Tensor& importance) {
   ctx->mark_non_differentiable({importance});
+  // The importance never gets a gradient; materialised, it would be a zero fill of the whole
+  // [B,T,G,NS] float32 tensor in every backward (0.16 ms at 64k D64 12:2 on an H100). Both
+  // backwards take an undefined output gradient.
+  ctx->set_materialize_grads(false);
   SaveGeometry(ctx, g);
   return {out, importance};
 }

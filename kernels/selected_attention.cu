@@ -38,6 +38,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "block_map.h"
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
 #include "smem_fwd_tile.cuh"
@@ -437,70 +438,11 @@ struct SelectedKeyPolicy {
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
 };
 
-// The block -> queries map, inverted on the GPU for the key-centric kernels: every entry of
-// block_idx ([B,T,G,n] flattened, e = ((b T + t) G + g) n + slot) grouped by its segment
-// (b, g, block), in position order inside (a stable sort), unused (-1) slots last; each
-// segment cut into work items of at most queries_per_item entries (SelectedKeyPolicy).
-struct BlockMap {
-  at::Tensor sorted_entry;  // int32
-  at::Tensor seg_off;       // int64 [S+1]
-  at::Tensor chunk_off;     // int64 [S+1]
-  at::Tensor item_seg;      // int32 [max_items]
-  at::Tensor item_order;    // int32 [max_items] (position order), or undefined (block order)
-  int64_t segments = 0, max_items = 0;
-  int NS = 0, queries_per_item = 0;
-
-  SelectedKeyPolicy Policy(const Shape& s, int n, int slc_block) const {
-    return {item_order.defined() ? item_order.data_ptr<int>() : nullptr, chunk_off.data_ptr<int64_t>(),
-            item_seg.data_ptr<int>(), seg_off.data_ptr<int64_t>(),
-            sorted_entry.data_ptr<int>(), static_cast<int>(segments), NS, slc_block, queries_per_item,
-            s.T, s.G * n};
-  }
-};
-
-BlockMap InvertBlockMap(const at::Tensor& block_idx, const Shape& s, int NS, int queries_per_item,
-                        bool position_order) {
-  TORCH_CHECK(block_idx.numel() < INT_MAX, "selected attention: B*T*G*top_n must stay below 2^31, got ",
-              block_idx.numel());
-  BlockMap map;
-  map.NS = NS;
-  map.queries_per_item = queries_per_item;
-  const auto lopts = block_idx.options().dtype(at::kLong);
-  const int64_t S = static_cast<int64_t>(s.B) * s.G * NS;
-  // 32-bit segment ids whenever they fit: the radix sort then makes 4 passes instead of 8.
-  const auto kopts = block_idx.options().dtype(S < INT_MAX ? at::kInt : at::kLong);
-  const auto idx = block_idx.to(kopts.dtype());
-  const auto bs = at::arange(s.B, kopts).view({s.B, 1, 1, 1});
-  const auto gs = at::arange(s.G, kopts).view({1, 1, s.G, 1});
-  const auto seg = at::where(idx >= 0, (bs * s.G + gs) * NS + idx, at::full({}, S, kopts)).flatten();
-  const auto [sorted_seg, order] = seg.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  map.sorted_entry = order.to(at::kInt);
-  map.seg_off = at::searchsorted(sorted_seg, at::arange(S + 1, kopts));  // int64
-  const auto counts = map.seg_off.slice(0, 1) - map.seg_off.slice(0, 0, S);
-  const auto chunks = (counts + (queries_per_item - 1)).div(queries_per_item, "floor");
-  map.chunk_off = at::cat({at::zeros({1}, lopts), chunks.cumsum(0)});
-  map.segments = S;
-  map.max_items = S + seg.numel() / queries_per_item + 1;  // >= chunk_off[S]
-  // Segment of each work item: a CTA then starts with one load instead of a 10-step binary
-  // search of dependent L2 loads. Items past chunk_off[S] are never read (Work() checks).
-  map.item_seg = (at::searchsorted(map.chunk_off, at::arange(map.max_items, lopts), /*out_int32=*/true,
-                                   /*right=*/true) -
-                  1)
-                     .clamp_min(0);
-  if (position_order && seg.numel() > 0) {
-    // Each item's first entry ((b T + t) G + g) n + slot; items past chunk_off[S] sort last.
-    const auto items = at::arange(map.max_items, lopts);
-    const auto segs = map.item_seg.to(at::kLong);
-    const auto first = (map.seg_off.index_select(0, segs) +
-                        (items - map.chunk_off.index_select(0, segs)) * queries_per_item)
-                           .clamp_max(seg.numel() - 1);
-    const auto position = map.sorted_entry.index_select(0, first).to(at::kLong).div(
-        static_cast<int64_t>(s.G) * block_idx.size(3), "floor");  // b T + t
-    const auto key = at::where(items < map.chunk_off.narrow(0, S, 1), position,
-                               at::full({}, std::numeric_limits<int64_t>::max(), lopts));
-    map.item_order = std::get<1>(key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false)).to(at::kInt);
-  }
-  return map;
+// The key-centric kernels' view of an inverted block map (block_map.h).
+SelectedKeyPolicy KeyPolicy(const BlockMap& map, const Shape& s, int n, int slc_block) {
+  return {map.item_order.defined() ? map.item_order.data_ptr<int>() : nullptr, map.chunk_off.data_ptr<int64_t>(),
+          map.item_seg.data_ptr<int>(), map.seg_off.data_ptr<int64_t>(), map.sorted_entry.data_ptr<int>(),
+          static_cast<int>(map.segments), map.NS, slc_block, map.queries_per_item, s.T, s.G * n};
 }
 
 // Work items in position order: forced, or (auto) for the D=64 dK/dV kernel at long sequences
@@ -540,8 +482,8 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                                     at::Tensor lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
                                     const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
-  const BlockMap map = InvertBlockMap(block_idx, s, NS, QueriesPerCta(choice),
-                                      PositionOrder(choice, s, n, NS, /*backward=*/false));
+  const BlockMap map =
+      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*backward=*/false));
   // One partial row per (entry, head): unused (-1) entries are allocated and never read.
   auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
   auto part_lse = at::empty({block_idx.numel() * s.hq()}, q.options().dtype(at::kFloat));
@@ -553,7 +495,7 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     kernel<<<static_cast<unsigned>(map.max_items), block_fwd::BlockFwdCfg<D>::kThreads, kSmem, stream>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
-        part_lse.data_ptr<float>(), s, map.Policy(s, n, g.slc_block), scale_log2);
+        part_lse.data_ptr<float>(), s, KeyPolicy(map, s, n, g.slc_block), scale_log2);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
@@ -970,9 +912,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   auto dk_acc = ZeroFloats(k.sizes(), k.options());
   auto dv_acc = ZeroFloats(v.sizes(), v.options());
 
-  const BlockMap map = InvertBlockMap(block_idx, s, NS, QueriesPerCta(choice),
-                                      PositionOrder(choice, s, n, NS, /*backward=*/true));
-  const SelectedKeyPolicy kpol = map.Policy(s, n, g.slc_block);
+  const BlockMap map =
+      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*backward=*/true));
+  const SelectedKeyPolicy kpol = KeyPolicy(map, s, n, g.slc_block);
   const int64_t S = map.segments, max_items = map.max_items;
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
   const int rows = s.hq();

@@ -1,0 +1,30 @@
+// The block -> queries map of the key-centric selected-attention kernels (dK/dV, and the block
+// forward of selected_block_forward.cuh), inverted on the GPU by block_map.cu.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace nsad::nsa::cuda::detail {
+
+// Every entry of block_idx ([B,T,G,n] int32 flattened, e = ((b T + t) G + g) n + slot) grouped
+// by its segment (b, g, block), in position order inside a segment, unused (-1) slots last;
+// each segment cut into work items of at most queries_per_item entries.
+struct BlockMap {
+  at::Tensor sorted_entry;  // int32 [B T G n]
+  at::Tensor seg_off;       // int64 [S+1]: first entry of each segment in sorted_entry
+  at::Tensor chunk_off;     // int64 [S+1]: first work item of each segment
+  at::Tensor item_seg;      // int32 [max_items]: the segment of each work item
+  at::Tensor item_order;    // int32 [max_items]: items by the position of their first entry
+                            // (position order), or undefined (block order)
+  int64_t segments = 0;     // S = B G NS
+  int64_t max_items = 0;    // an upper bound of chunk_off[S], known without a device sync
+  int NS = 0, queries_per_item = 0;
+};
+
+// NS: selection blocks per sequence. Runs on the current stream, no host sync (CUDA-graph
+// capturable).
+BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order);
+
+}  // namespace nsad::nsa::cuda::detail
