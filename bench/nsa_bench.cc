@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -70,6 +71,13 @@ using nsad::bench::kSlcDqNames;
 using nsad::bench::kSlcFwdNames;
 using nsad::bench::kSlcOrderNames;
 using nsad::bench::kWinFwdNames;
+
+// Drops the leaves' .grad before a backward, as FlashAttention's benchmark does (x.grad =
+// None): otherwise every rep after the first adds its gradients into the previous ones, an
+// accumulation a layer inside a model does not do.
+void ClearGrads(std::initializer_list<torch::Tensor> leaves) {
+  for (const auto& t : leaves) t.mutable_grad() = torch::Tensor();
+}
 
 double MedianMs(const std::function<void()>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
@@ -212,6 +220,7 @@ CudnnTimes TimeCudnn(const torch::Tensor& q, const torch::Tensor& k, const torch
          vl = vv.detach().requires_grad_(true);
     r.fwd_bwd = MedianMs(
         [&] {
+          ClearGrads({ql, kl, vl});
           auto o = sdpa(ql, kl, vl, gqa);
           torch::autograd::backward({o}, {grad.transpose(1, 2)});
         },
@@ -392,12 +401,14 @@ int main(int argc, char** argv) {
              vcl = vc.detach().requires_grad_(true);
         const double dense_fb = MedianMs(
             [&] {
+              ClearGrads({ql, kl, vl});
               auto o = dense_fwd(ql, kl, vl);
               torch::autograd::backward({o}, {grad.transpose(1, 2)});
             },
             warmup, reps);
         const double nsa_fb = MedianMs(
             [&] {
+              ClearGrads({ql, kl, vl, kcl, vcl});
               auto outs = nsa_fwd(ql, kl, vl, kcl, vcl);
               torch::autograd::backward(outs, {grad, grad, grad});
             },
