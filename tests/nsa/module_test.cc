@@ -5,8 +5,12 @@
 
 #include <stdexcept>
 
+#include <ATen/autocast_mode.h>
+
+#include "model/shared_input_linear.h"
 #include "model/transformer.h"
 #include "nsa/attention.h"
+#include "nsa/compress.h"
 #include "test_util.h"
 
 namespace nsad::nsa {
@@ -25,6 +29,87 @@ ModelConfig SmallConfig() {
   c.head_dim = 8;
   c.nsa = {/*cmp_block=*/8, /*cmp_stride=*/4, /*slc_block=*/16, /*slc_top_n=*/3, /*window=*/24};
   return c;
+}
+
+// The joint GEMM gives each layer exactly its own output: its bias on its own part only, and
+// the gradients of every weight and bias as separate layers would get them.
+TEST(SharedInputLinear, MatchesSeparateLayersWithAndWithoutBias) {
+  torch::manual_seed(11);
+  torch::nn::Linear a(torch::nn::LinearOptions(6, 5).bias(false)), b(6, 3), c(torch::nn::LinearOptions(6, 4).bias(false));
+  for (auto* layer : {&a, &b, &c}) (*layer)->to(torch::kDouble);
+  const auto x = torch::randn({2, 7, 6}, torch::kDouble);
+  const auto parts = SharedInputLinear(x, {a, b, c});
+  ASSERT_EQ(parts.size(), 3u);
+  const auto w = torch::randn({2, 7, 12}, torch::kDouble);
+  torch::cat(parts, -1).mul(w).sum().backward();
+  const std::vector<torch::Tensor> joint_grads = {a->weight.grad().clone(), b->weight.grad().clone(),
+                                                  b->bias.grad().clone(), c->weight.grad().clone()};
+  for (auto* layer : {&a, &b, &c}) (*layer)->zero_grad();
+  const std::vector<torch::Tensor> separate = {a->forward(x), b->forward(x), c->forward(x)};
+  for (size_t i = 0; i < separate.size(); ++i) EXPECT_LT(MaxDiff(parts[i], separate[i]), 1e-12) << i;
+  torch::cat(separate, -1).mul(w).sum().backward();
+  const std::vector<torch::Tensor> separate_grads = {a->weight.grad(), b->weight.grad(), b->bias.grad(),
+                                                     c->weight.grad()};
+  for (size_t i = 0; i < joint_grads.size(); ++i) EXPECT_LT(MaxDiff(joint_grads[i], separate_grads[i]), 1e-12) << i;
+  EXPECT_THROW(SharedInputLinearJoint(x, {a, b}), c10::Error);  // the joint output has no biased layer
+}
+
+// Under bf16 autocast the float32 bias must not promote a layer's output to float32 (the
+// next op would then run in float32 and the activations kept for backward double in size).
+TEST(SharedInputLinear, BiasedPartsStayInTheAutocastType) {
+  torch::manual_seed(12);
+  torch::nn::Linear plain(torch::nn::LinearOptions(8, 4).bias(false)), biased(8, 4);
+  const auto x = torch::randn({3, 8});
+  at::autocast::set_autocast_enabled(torch::kCPU, true);
+  at::autocast::set_autocast_dtype(torch::kCPU, torch::kBFloat16);
+  const auto parts = SharedInputLinear(x, {plain, biased});
+  const auto single = ApplyLinear(biased, x);
+  at::autocast::set_autocast_enabled(torch::kCPU, false);
+  at::autocast::clear_cache();
+  EXPECT_EQ(parts[0].scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(parts[1].scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(single.scalar_type(), torch::kBFloat16);
+  const auto expect = biased->forward(x);
+  EXPECT_LT(MaxDiff(parts[1], expect), 0.05);
+  EXPECT_LT(MaxDiff(single, expect), 0.05);
+}
+
+// CompressBlocks against the paper's definition written out: block j = tokens [j d, j d + l)
+// plus the position encoding, flattened, through Linear -> SiLU -> Linear. Output and every
+// gradient, for strides that divide the block length (the chunked form: r = 1, 2, 4) and
+// one that does not (unfolded), with lengths that leave a partial block and none at all.
+TEST(CompressBlocks, MatchesTheDefinition) {
+  const int64_t B = 2, G = 3, D = 4, hidden = 6;
+  for (const auto& [l, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {8, 4}, {8, 2}, {8, 3}}) {
+    for (const int64_t T : {7, 8, 37}) {
+      torch::manual_seed(l * 100 + d * 10 + T);
+      Geometry g;
+      g.cmp_block = l;
+      g.cmp_stride = d;
+      const int64_t N = NumCmpBlocks(T, g);
+      torch::nn::Linear first(l * D, hidden), second(hidden, D);
+      first->to(torch::kDouble);
+      second->to(torch::kDouble);
+      const auto tokens = torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true);
+      const auto pos = torch::randn({l, D}, torch::kDouble).requires_grad_(true);
+      const auto got = CompressBlocks(tokens, pos, first, second, g);
+      ASSERT_EQ(got.sizes(), (std::vector<int64_t>{B, N, G, D}));
+      if (N == 0) continue;
+      std::vector<torch::Tensor> blocks;
+      for (int64_t j = 0; j < N; ++j) {
+        blocks.push_back((tokens.narrow(1, j * d, l).permute({0, 2, 1, 3}) + pos).reshape({B, G, l * D}));
+      }
+      const auto want = second->forward(torch::silu(first->forward(torch::stack(blocks, 1))));
+      EXPECT_LT(MaxDiff(got, want), 1e-12) << "l=" << l << " d=" << d << " T=" << T;
+      const auto w = torch::randn_like(want);
+      const std::vector<torch::Tensor> inputs = {tokens, pos, first->weight, first->bias, second->weight};
+      const auto got_grads = torch::autograd::grad({(got * w).sum()}, inputs);
+      const auto want_grads = torch::autograd::grad({(want * w).sum()}, inputs);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        EXPECT_LT(MaxDiff(got_grads[i], want_grads[i]), 1e-12) << "input " << i << " l=" << l << " d=" << d << " T=" << T;
+      }
+    }
+  }
 }
 
 TEST(NsaAttention, FutureInputsNeverChangeEarlierOutputs) {

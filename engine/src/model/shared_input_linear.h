@@ -1,12 +1,5 @@
-// Several linear layers that read the same input, run as one GEMM: y = x [W_1; ...; W_n]^T
-// (+ [b_1; ...; b_n]), split back into the n outputs. The parameters stay the layers' own
-// (names, checkpoints and init unchanged); only the forward is fused.
-//
-// Why: under bf16 autocast each separate layer casts the float32 input again, and in the
-// backward each hands back its own input gradient, cast to float32 and summed with the
-// others; one GEMM casts once, sums the input gradient inside the GEMM (float32
-// accumulators) and runs at a larger, more efficient N. Its backward through split is one
-// concatenation of the output gradients.
+// Linear layers run through at::linear, and several linear layers that read the same input
+// run as one GEMM.
 #pragma once
 
 #include <torch/torch.h>
@@ -15,13 +8,30 @@
 
 namespace nsad {
 
-// layers[i] maps x's last dim to its out_features; returns the joint output
-// [..., sum of out_features] = [layers[0](x) | layers[1](x) | ...]. Layers without a bias
-// add zeros.
-torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
-                                     const std::vector<torch::nn::Linear>& layers);
-// The same, split into layers[i](x) for each i (views into the joint output).
+// layer(x) through at::linear, which adds the bias in the GEMM's epilogue (cuBLASLt) for
+// contiguous inputs of any rank. torch::nn::Linear's own forward (the C++ frontend's
+// F::linear) runs matmul and then `out += bias` as a separate kernel; under bf16 autocast
+// that add mixes a bf16 output with a float32 bias and takes PyTorch's slow casting path
+// (0.245 ms per layer for the 113 MB joint projection at batch 16, T=2048, on an H100:
+// longer than the GEMM itself).
+torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x);
+
+// y = x [W_1; ...; W_n]^T, split back into the n outputs, each plus its layer's bias if it
+// has one. The parameters stay the layers' own (names, checkpoints and init unchanged);
+// only the forward is fused.
+//
+// Why: under bf16 autocast each separate layer casts the float32 input again, and in the
+// backward each hands back its own input gradient, cast to float32 and summed with the
+// others; one GEMM casts once, sums the input gradient inside the GEMM (float32
+// accumulators) and runs at a larger, more efficient N. Its backward through split is one
+// concatenation of the output gradients. A bias is added to its own part only: a joint bias
+// (zeros for the layers without one) would make the backward reduce the whole joint
+// gradient for it.
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers);
+// The joint output [..., sum of out_features] = [layers[0](x) | layers[1](x) | ...], for
+// layers without a bias (throws otherwise).
+torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
+                                     const std::vector<torch::nn::Linear>& layers);
 
 }  // namespace nsad

@@ -65,7 +65,7 @@ class NsaBlockImpl : public torch::nn::Module {
     if (tap) attn_out = tap(layer, "attention", attn_out);
     std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, attn_out, mlp_norm->weight, mlp_norm->eps());
     const auto gate_up = SharedInputLinearJoint(normed, {mlp_gate, mlp_up});
-    auto mlp_out = mlp_down->forward(nsa::SwiGlu(backend_, gate_up));
+    auto mlp_out = ApplyLinear(mlp_down, nsa::SwiGlu(backend_, gate_up));
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
     return {x, mlp_out};
   }

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "model/shared_input_linear.h"
+#include "nsa/compress.h"
 #include "nsa/dispatch.h"
 
 namespace nsad::nsa {
@@ -85,13 +86,8 @@ NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend b
 torch::Tensor NsaAttentionImpl::Compress(const torch::Tensor& tokens,
                                          const torch::Tensor& position_encoding,
                                          torch::nn::Sequential& mlp) const {
-  const int64_t B = tokens.size(0), T = tokens.size(1), G = tokens.size(2), D = tokens.size(3);
-  const int64_t l = geometry_.cmp_block, N = NumCmpBlocks(T, geometry_);
-  // Block j = tokens [j*d, j*d + l): unfold gives [B,N,G,D,l]; put the l tokens before D.
-  const auto blocks = N > 0 ? tokens.unfold(1, l, geometry_.cmp_stride).transpose(-1, -2)
-                            : torch::zeros({B, 0, G, l, D}, tokens.options());
-  const auto with_position = blocks + position_encoding.to(blocks.scalar_type());
-  return mlp->forward(with_position.reshape({B, N, G, l * D}));  // [B,N,G,D]
+  return CompressBlocks(tokens, position_encoding, torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)),
+                        torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2)), geometry_);
 }
 
 const NsaAttentionImpl::RopeCache& NsaAttentionImpl::Rope(int64_t seq_len,
@@ -145,12 +141,13 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gate_logits = gate_mlp_->ptr<torch::nn::LinearImpl>(2)->forward(torch::silu(projected[2]));
+  const auto gate_logits =
+      ApplyLinear(torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(2)), torch::silu(projected[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
   const auto mixed = MixBranches(backend_, gates, cmp.out, o_slc, o_win);
   last_gates_ = gates.detach();
   last_block_idx_ = block_idx.detach();
-  return o_proj_->forward(mixed.reshape({B, T, H * D}));
+  return ApplyLinear(o_proj_, mixed.reshape({B, T, H * D}));
 }
 
 torch::Tensor NsaAttentionImpl::last_stats_tensor() const {
