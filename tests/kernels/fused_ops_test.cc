@@ -152,35 +152,49 @@ TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
 
 TEST_P(FusedOpsTest, RopeOfRowsNotAlignedForVectorAccessMatchesTheReference) {
   const FusedCase c = GetParam();
-  // Rows D + 1 elements apart, starting one element in: the kernels' 4-pair vector path
-  // cannot take them and the one-pair path must.
+  // Rows D + 1 elements apart, starting one element in: the kernels' 8- and 4-pair vector
+  // paths cannot take them and the one-pair path must.
   const auto wide = torch::randn({c.B, c.T, c.H, c.D + 1}, Opts()).requires_grad_(true);
   const auto x = wide.narrow(3, 1, c.D).unsqueeze(2);
   CheckRope(x, Table(c.T), {true}, -1);
 }
 
+TEST_P(FusedOpsTest, RopeOfRowsAlignedForFourPairsOnlyMatchesTheReference) {
+  const FusedCase c = GetParam();
+  // Rows D + 4 elements apart, starting four elements in: 4-aligned, not 8-aligned, so the
+  // 4-pair path runs.
+  const auto wide = torch::randn({c.B, c.T, c.H, c.D + 4}, Opts()).requires_grad_(true);
+  const auto x = wide.narrow(3, 4, c.D).unsqueeze(2);
+  CheckRope(x, Table(c.T), {true}, -1);
+}
+
+// D = the case's head dim takes the vector kernels (16-bit types; D/8 lanes per row), D - 4
+// (not 8 times a power of two) the one-element-per-lane kernels.
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
   const FusedCase c = GetParam();
-  const auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts())).requires_grad_(true);
-  const auto a = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
-  const auto b = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
-  const auto o = torch::randn({c.B, c.T, c.H, c.D}, Opts()).requires_grad_(true);
-  const auto w = torch::randn({c.B, c.T, c.H, c.D}, Opts());
-  Poison();
-  const auto out = cuda::MixBranches(gates, a, b, o);
-  Poison();
-  const auto grads = torch::autograd::grad({out}, {gates, a, b, o}, {w});
+  for (const int64_t D : {c.D, c.D - 4}) {
+    const auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts())).requires_grad_(true);
+    const auto a = torch::randn({c.B, c.T, c.H, D}, Opts()).requires_grad_(true);
+    const auto b = torch::randn({c.B, c.T, c.H, D}, Opts()).requires_grad_(true);
+    const auto o = torch::randn({c.B, c.T, c.H, D}, Opts()).requires_grad_(true);
+    const auto w = torch::randn({c.B, c.T, c.H, D}, Opts());
+    Poison();
+    const auto out = cuda::MixBranches(gates, a, b, o);
+    Poison();
+    const auto grads = torch::autograd::grad({out}, {gates, a, b, o}, {w});
 
-  auto g32 = Upcast(gates), a32 = Upcast(a), b32 = Upcast(b), o32 = Upcast(o);
-  const auto ref = g32.select(-1, 0).unsqueeze(-1) * a32 + g32.select(-1, 1).unsqueeze(-1) * b32 +
-                   g32.select(-1, 2).unsqueeze(-1) * o32;
-  const auto ref_grads =
-      torch::autograd::grad({ref}, {g32, a32, b32, o32}, {w.to(torch::kFloat)});
-  ExpectClose(out, ref, Tolerance(), "mix out");
-  ExpectClose(grads[0], ref_grads[0], Tolerance(), "mix dgates");
-  ExpectClose(grads[1], ref_grads[1], Tolerance(), "mix d_cmp");
-  ExpectClose(grads[2], ref_grads[2], Tolerance(), "mix d_slc");
-  ExpectClose(grads[3], ref_grads[3], Tolerance(), "mix d_win");
+    auto g32 = Upcast(gates), a32 = Upcast(a), b32 = Upcast(b), o32 = Upcast(o);
+    const auto ref = g32.select(-1, 0).unsqueeze(-1) * a32 + g32.select(-1, 1).unsqueeze(-1) * b32 +
+                     g32.select(-1, 2).unsqueeze(-1) * o32;
+    const auto ref_grads =
+        torch::autograd::grad({ref}, {g32, a32, b32, o32}, {w.to(torch::kFloat)});
+    const std::string at = " D=" + std::to_string(D);
+    ExpectClose(out, ref, Tolerance(), "mix out" + at);
+    ExpectClose(grads[0], ref_grads[0], Tolerance(), "mix dgates" + at);
+    ExpectClose(grads[1], ref_grads[1], Tolerance(), "mix d_cmp" + at);
+    ExpectClose(grads[2], ref_grads[2], Tolerance(), "mix d_slc" + at);
+    ExpectClose(grads[3], ref_grads[3], Tolerance(), "mix d_win" + at);
+  }
 }
 
 // The joint [gate | up] projection through the fused SwiGLU and through float32 LibTorch:
