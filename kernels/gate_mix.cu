@@ -17,6 +17,16 @@
 namespace nsad::nsa::cuda::detail {
 namespace {
 
+// The three gates of (b, t, h) row `row`, as float32.
+struct RowGates {
+  float g0, g1, g2;
+};
+template <typename scalar_t>
+__device__ __forceinline__ RowGates LoadGates(const scalar_t* __restrict__ gates, int64_t row) {
+  return {static_cast<float>(gates[row * 3]), static_cast<float>(gates[row * 3 + 1]),
+          static_cast<float>(gates[row * 3 + 2])};
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     GateMixForwardKernel(const scalar_t* __restrict__ gates, const scalar_t* __restrict__ a,
@@ -25,9 +35,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  const float g0 = static_cast<float>(gates[row * 3]);
-  const float g1 = static_cast<float>(gates[row * 3 + 1]);
-  const float g2 = static_cast<float>(gates[row * 3 + 2]);
+  const auto [g0, g1, g2] = LoadGates(gates, row);
   const int64_t base = row * D;
   for (int d = lane; d < D; d += 32) {
     const int64_t i = base + d;
@@ -46,9 +54,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // whole warps exit together
-  const float g0 = static_cast<float>(gates[row * 3]);
-  const float g1 = static_cast<float>(gates[row * 3 + 1]);
-  const float g2 = static_cast<float>(gates[row * 3 + 2]);
+  const auto [g0, g1, g2] = LoadGates(gates, row);
   const int64_t base = row * D;
   float s0 = 0.f, s1 = 0.f, s2 = 0.f;
   for (int d = lane; d < D; d += 32) {
@@ -86,9 +92,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = thread / lanes;
   const int lane = static_cast<int>(thread % lanes);
   if (row >= rows) return;  // no shuffles here
-  const float g0 = static_cast<float>(gates[row * 3]);
-  const float g1 = static_cast<float>(gates[row * 3 + 1]);
-  const float g2 = static_cast<float>(gates[row * 3 + 2]);
+  const auto [g0, g1, g2] = LoadGates(gates, row);
   for (int d = lane * kMixVec; d < D; d += lanes * kMixVec) {
     const int64_t i = row * D + d;
     const Vec va = *reinterpret_cast<const Vec*>(a + i), vb = *reinterpret_cast<const Vec*>(b + i),
@@ -123,9 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool valid = row < rows;
   float s0 = 0.f, s1 = 0.f, s2 = 0.f;
   if (valid) {
-    const float g0 = static_cast<float>(gates[row * 3]);
-    const float g1 = static_cast<float>(gates[row * 3 + 1]);
-    const float g2 = static_cast<float>(gates[row * 3 + 2]);
+    const auto [g0, g1, g2] = LoadGates(gates, row);
     for (int d = lane * kMixVec; d < D; d += lanes * kMixVec) {
       const int64_t i = row * D + d;
       const Vec vg = *reinterpret_cast<const Vec*>(dout + i), va = *reinterpret_cast<const Vec*>(a + i),
