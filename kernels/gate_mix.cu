@@ -3,9 +3,10 @@
 // forward and ~10 kernels backward (each mul's backward plus a sum over D for each gate).
 //
 // Where D is 8 (16-bit types: 16 bytes) times a power of two up to 32 and the tensors are
-// aligned for it, D/8 lanes share a (b, t, h) row, each moving 8 elements per access, and
-// the backward reduces the three gate gradients (sum over D of dout * o_k) with shuffles
-// inside the lane group. Otherwise one warp per row, one element per lane and access. With
+// aligned for it, D/8 lanes share a (b, t, h) row, each moving 8 elements per access;
+// otherwise one warp per row, one element per lane and access (the same kernels with
+// kVec = 1). The backward reduces the three gate gradients (sum over D of dout * o_k) with
+// shuffles inside the lane group. With
 // 2-byte accesses the kernels moved about 2 TB/s on an H100 (forward 0.098 ms, backward
 // 0.164 ms per layer at batch 16, T=2048, 12 heads, D=64). Arithmetic in float32, outputs
 // rounded once to the input type.
@@ -27,79 +28,30 @@ __device__ __forceinline__ RowGates LoadGates(const scalar_t* __restrict__ gates
           static_cast<float>(gates[row * 3 + 2])};
 }
 
-template <typename scalar_t>
+constexpr int kMixVec = 8;
+
+// `lanes` (a power of two up to 32) lanes per (b, t, h) row, kVec elements each per access:
+// kVec = 8 with D/8 lanes (16-byte accesses for 16-bit types), or kVec = 1 with a warp per
+// row. Rows past the end still run the backward's shuffles (with nothing loaded), so that
+// every lane of a warp takes part in them.
+template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     GateMixForwardKernel(const scalar_t* __restrict__ gates, const scalar_t* __restrict__ a,
                          const scalar_t* __restrict__ b, const scalar_t* __restrict__ c,
-                         scalar_t* __restrict__ out, int64_t rows, int D) {
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const auto [g0, g1, g2] = LoadGates(gates, row);
-  const int64_t base = row * D;
-  for (int d = lane; d < D; d += 32) {
-    const int64_t i = base + d;
-    out[i] = static_cast<scalar_t>(g0 * static_cast<float>(a[i]) + g1 * static_cast<float>(b[i]) +
-                                   g2 * static_cast<float>(c[i]));
-  }
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    GateMixBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ gates,
-                          const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
-                          const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
-                          scalar_t* __restrict__ da, scalar_t* __restrict__ db,
-                          scalar_t* __restrict__ dc, int64_t rows, int D) {
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;  // whole warps exit together
-  const auto [g0, g1, g2] = LoadGates(gates, row);
-  const int64_t base = row * D;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f;
-  for (int d = lane; d < D; d += 32) {
-    const int64_t i = base + d;
-    const float go = static_cast<float>(dout[i]);
-    s0 += go * static_cast<float>(a[i]);
-    s1 += go * static_cast<float>(b[i]);
-    s2 += go * static_cast<float>(c[i]);
-    da[i] = static_cast<scalar_t>(g0 * go);
-    db[i] = static_cast<scalar_t>(g1 * go);
-    dc[i] = static_cast<scalar_t>(g2 * go);
-  }
-  s0 = WarpSum(s0);
-  s1 = WarpSum(s1);
-  s2 = WarpSum(s2);
-  if (lane == 0) {
-    dgates[row * 3] = static_cast<scalar_t>(s0);
-    dgates[row * 3 + 1] = static_cast<scalar_t>(s1);
-    dgates[row * 3 + 2] = static_cast<scalar_t>(s2);
-  }
-}
-
-// The vector kernels: `lanes` (a power of two up to 32) lanes per row, kVec elements each per
-// access. Rows past the end still run the shuffles (with nothing loaded), so that every lane
-// of a warp takes part in them.
-constexpr int kMixVec = 8;
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    GateMixForwardVecKernel(const scalar_t* __restrict__ gates, const scalar_t* __restrict__ a,
-                            const scalar_t* __restrict__ b, const scalar_t* __restrict__ c,
-                            scalar_t* __restrict__ out, int64_t rows, int D, int lanes) {
-  using Vec = Packed<scalar_t, kMixVec>;
+                         scalar_t* __restrict__ out, int64_t rows, int D, int lanes) {
+  using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread / lanes;
   const int lane = static_cast<int>(thread % lanes);
   if (row >= rows) return;  // no shuffles here
   const auto [g0, g1, g2] = LoadGates(gates, row);
-  for (int d = lane * kMixVec; d < D; d += lanes * kMixVec) {
+  for (int d = lane * kVec; d < D; d += lanes * kVec) {
     const int64_t i = row * D + d;
     const Vec va = *reinterpret_cast<const Vec*>(a + i), vb = *reinterpret_cast<const Vec*>(b + i),
               vc = *reinterpret_cast<const Vec*>(c + i);
     Vec vo;
 #pragma unroll
-    for (int k = 0; k < kMixVec; ++k) {
+    for (int k = 0; k < kVec; ++k) {
       vo.v[k] = static_cast<scalar_t>(g0 * static_cast<float>(va.v[k]) + g1 * static_cast<float>(vb.v[k]) +
                                       g2 * static_cast<float>(vc.v[k]));
     }
@@ -113,14 +65,14 @@ __device__ __forceinline__ float GroupSum(float v, int lanes) {
   return v;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    GateMixBackwardVecKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ gates,
-                             const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
-                             const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
-                             scalar_t* __restrict__ da, scalar_t* __restrict__ db,
-                             scalar_t* __restrict__ dc, int64_t rows, int D, int lanes) {
-  using Vec = Packed<scalar_t, kMixVec>;
+    GateMixBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ gates,
+                          const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                          const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
+                          scalar_t* __restrict__ da, scalar_t* __restrict__ db,
+                          scalar_t* __restrict__ dc, int64_t rows, int D, int lanes) {
+  using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread / lanes;
   const int lane = static_cast<int>(thread % lanes);
@@ -128,13 +80,13 @@ __global__ void __launch_bounds__(kThreads)
   float s0 = 0.f, s1 = 0.f, s2 = 0.f;
   if (valid) {
     const auto [g0, g1, g2] = LoadGates(gates, row);
-    for (int d = lane * kMixVec; d < D; d += lanes * kMixVec) {
+    for (int d = lane * kVec; d < D; d += lanes * kVec) {
       const int64_t i = row * D + d;
       const Vec vg = *reinterpret_cast<const Vec*>(dout + i), va = *reinterpret_cast<const Vec*>(a + i),
                 vb = *reinterpret_cast<const Vec*>(b + i), vc = *reinterpret_cast<const Vec*>(c + i);
       Vec wa, wb, wc;
 #pragma unroll
-      for (int k = 0; k < kMixVec; ++k) {
+      for (int k = 0; k < kVec; ++k) {
         const float go = static_cast<float>(vg.v[k]);
         s0 += go * static_cast<float>(va.v[k]);
         s1 += go * static_cast<float>(vb.v[k]);
@@ -158,7 +110,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Lanes per row for the vector kernels, or 0 where they do not apply.
+// Lanes per row for kVec = kMixVec, or 0 where they do not apply (the kernels then run with
+// kVec = 1, a warp per row).
 int VectorLanes(int64_t D, std::initializer_list<const at::Tensor*> tensors) {
   if (D % kMixVec != 0) return 0;
   const int64_t lanes = D / kMixVec;
@@ -187,10 +140,6 @@ void CheckMixInputs(const at::Tensor& gates, const at::Tensor& a, const at::Tens
               "gates must be [B,T,H,3] for outputs ", a.sizes(), ", got ", gates.sizes());
 }
 
-dim3 WarpGrid(int64_t rows) {
-  return dim3(static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads));
-}
-
 }  // namespace
 
 at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
@@ -201,15 +150,11 @@ at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at
   if (rows == 0 || a.size(3) == 0) return out;
   const int lanes = VectorLanes(a.size(3), {&a, &b, &c, &out});
   NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_forward", [&] {
-    if (lanes > 0 && sizeof(scalar_t) == 2) {
-      Launch(GateMixForwardVecKernel<scalar_t>, LaneGrid(rows, lanes), 0, gates.data_ptr<scalar_t>(),
-             a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-             rows, static_cast<int>(a.size(3)), lanes);
-      return;
-    }
-    Launch(GateMixForwardKernel<scalar_t>, WarpGrid(rows), 0, gates.data_ptr<scalar_t>(),
-           a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-           out.data_ptr<scalar_t>(), rows, static_cast<int>(a.size(3)));
+    const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
+    Launch(vec ? GateMixForwardKernel<scalar_t, kMixVec> : GateMixForwardKernel<scalar_t, 1>,
+           LaneGrid(rows, vec ? lanes : 32), 0, gates.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
+           b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows,
+           static_cast<int>(a.size(3)), vec ? lanes : 32);
   });
   return out;
 }
@@ -227,17 +172,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
   if (a.size(3) == 0) return {dgates.zero_(), da, db, dc};
   const int lanes = VectorLanes(a.size(3), {&dout, &a, &b, &c, &da, &db, &dc});
   NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_backward", [&] {
-    if (lanes > 0 && sizeof(scalar_t) == 2) {
-      Launch(GateMixBackwardVecKernel<scalar_t>, LaneGrid(rows, lanes), 0, dout.data_ptr<scalar_t>(),
-             gates.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-             dgates.data_ptr<scalar_t>(), da.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(),
-             rows, static_cast<int>(a.size(3)), lanes);
-      return;
-    }
-    Launch(GateMixBackwardKernel<scalar_t>, WarpGrid(rows), 0, dout.data_ptr<scalar_t>(),
-           gates.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
-           c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(), da.data_ptr<scalar_t>(),
-           db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), rows, static_cast<int>(a.size(3)));
+    const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
+    Launch(vec ? GateMixBackwardKernel<scalar_t, kMixVec> : GateMixBackwardKernel<scalar_t, 1>,
+           LaneGrid(rows, vec ? lanes : 32), 0, dout.data_ptr<scalar_t>(), gates.data_ptr<scalar_t>(),
+           a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(),
+           da.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), rows,
+           static_cast<int>(a.size(3)), vec ? lanes : 32);
   });
   return {dgates, da, db, dc};
 }
