@@ -92,9 +92,11 @@ struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> 
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
+    // No gradient for the output (only the importance was used): none for the inputs either,
+    // as in CompressedDenseFn, rather than a whole backward over zeros.
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     const auto s = ctx->get_saved_variables();
-    auto grad_out = grads[0].defined() ? grads[0] : torch::zeros_like(s[3]);
-    auto [dq, dk, dv] = detail::CompressedBackward(grad_out, s[0], s[1], s[2], s[3], s[4],
+    auto [dq, dk, dv] = detail::CompressedBackward(grads[0], s[0], s[1], s[2], s[3], s[4],
                                                    ToGeo(LoadGeometry(ctx)));
     return {dq, dk, dv, torch::Tensor()};
   }

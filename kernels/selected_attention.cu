@@ -34,7 +34,6 @@
 // call; the default (all auto) is the dispatch below. kernels_test forces every path.
 #include <algorithm>
 #include <climits>
-#include <limits>
 #include <mutex>
 #include <type_traits>
 
