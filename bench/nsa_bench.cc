@@ -13,7 +13,7 @@
 //
 // --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc force the selected branch's forward/dQ kernel,
 // dK/dV kernel (staged register budgets rows x CTAs per SM are D=64 builds), where dQ comes
-// from (the query-side kernel, or fused into dK/dV: a D=64 build) and queries per dK/dV
+// from (the query-side kernel, or fused into the staged dK/dV kernel) and queries per dK/dV
 // work item (0 = auto), and the launch order of the key-centric work items, through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
 // in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
 // kernels at every length, our register-only kernels, or cuDNN over packed query rows
@@ -280,11 +280,9 @@ int main(int argc, char** argv) {
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
-  const bool d64_build = (choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged) ||
-                         choice.dq == Choice::Dq::kFused;
+  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged;
   if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
-    std::fprintf(stderr, "--slc-dkdv %s / --slc-dq %s is a D=64 build: run it with --dims 64\n",
-                 NameOf(kSlcDkDvNames, choice.dkdv), NameOf(kSlcDqNames, choice.dq));
+    std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n", NameOf(kSlcDkDvNames, choice.dkdv));
     return 2;
   }
   if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {

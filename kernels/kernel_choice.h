@@ -31,7 +31,7 @@ struct SelectedKernelChoice {
 
   // Where dQ comes from: the query-side kernel of Fwd (kQuerySide), or the staged dK/dV
   // kernel, which has dS in registers already and adds dS K into a float32 buffer (kFused;
-  // bf16/fp16, D=64 builds, any staged DkDv budget). kAuto: the measured default.
+  // bf16/fp16, any staged DkDv build). kAuto: the measured default.
   enum class Dq { kAuto, kQuerySide, kFused };
 
   // Launch order of the key-centric work items (dK/dV and the kBlocks forward): by (b, g,

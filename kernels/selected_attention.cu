@@ -24,8 +24,8 @@
 // the block in registers, its query rows staged in shared memory with cp.async one step
 // ahead (SelectedDkDvStagedKernel). Block 0 and the local blocks are chosen by every query,
 // so a block can have up to T queries; slicing the lists keeps the grid balanced at the
-// price of one float32 atomic add per key element per slice (not per query). For D=64 and
-// groups of fewer than 16 heads, that kernel also produces dQ (fused, as FlashAttention's
+// price of one float32 atomic add per key element per slice (not per query). For groups of
+// fewer than 16 heads, that kernel also produces dQ (fused, as FlashAttention's
 // backward does): it holds dS already, and the query-side dQ kernel would recompute S, P,
 // dP and dS; the CTA adds its dQ rows into a float32 buffer once per (row, block).
 //
@@ -92,7 +92,6 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   if (c.dq == Choice::Dq::kFused) {
     TORCH_CHECK(q.scalar_type() != at::kFloat, "SelectedKernelChoice: fused dQ is a tensor-core kernel; fp32 "
                 "inputs run the scalar kernels");
-    TORCH_CHECK(s.D == 64, "SelectedKernelChoice: fused dQ is a D=64 build, got D=", s.D);
     TORCH_CHECK(c.dkdv != Choice::DkDv::kUnstaged,
                 "SelectedKernelChoice: fused dQ runs in the staged dK/dV kernel, not kUnstaged");
   }
@@ -444,16 +443,17 @@ SelectedKeyPolicy KeyPolicy(const BlockMap& map, const Shape& s, int n, int slc_
           static_cast<int>(map.segments), map.NS, slc_block, map.queries_per_item, s.T, s.G * n};
 }
 
-// Work items in position order: forced, or (auto) for the D=64 dK/dV kernel at long sequences
-// (num_blocks >= 32 n), where a position's dQ row gets its n atomic adds from CTAs that now
-// run close together, while the row is in L2. Measured on H100 (nsa_bench, one NSA layer,
-// block -> position order): 64k D64 12:2 backward 10.26 -> 9.58 ms; no gain at 64:4 (71.70
-// -> 71.61 ms forward+backward) and losses elsewhere: 64k D128 12:2 backward 22.74 -> 23.14,
-// batch 16 T=2048 forward+backward 4.19 -> 4.31, the block forward at 64k D64 12:2 3.33 ->
-// 3.54 ms.
-bool PositionOrder(const Choice& c, const Shape& s, int n, int num_blocks, bool backward) {
+// Work items in position order: forced, or (auto) for the dK/dV kernel with fused dQ at long
+// sequences (num_blocks >= 32 n), where a position's dQ row gets its n atomic adds from CTAs
+// that now run close together, while the row is in L2. Measured on H100 (nsa_bench, one NSA
+// layer, block -> position order): 64k D64 12:2 backward 10.26 -> 9.58 ms; the selected
+// backward alone at 64k D128 12:2 10.25 -> 9.63 ms (--slc-only). No gain without fused dQ
+// (64k D128 12:2, query-side dQ: 13.97 -> 14.06 ms selected backward) nor at 64:4 (71.70 ->
+// 71.61 ms forward+backward), and losses elsewhere: batch 16 T=2048 forward+backward 4.19 ->
+// 4.31, the block forward at 64k D64 12:2 3.33 -> 3.54 ms.
+bool PositionOrder(const Choice& c, const Shape& s, int n, int num_blocks, bool fused_dq_backward) {
   if (c.order != Choice::Order::kAuto) return c.order == Choice::Order::kPosition;
-  return backward && s.D == 64 && s.hq() <= 8 && num_blocks >= 32 * n;
+  return fused_dq_backward && s.hq() <= 8 && num_blocks >= 32 * n;
 }
 
 // The key-centric forward (selected_block_forward.cuh): forced, or (auto) where neighbouring
@@ -482,7 +482,7 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                                     const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
   const BlockMap map =
-      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*backward=*/false));
+      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false));
   // One partial row per (entry, head): unused (-1) entries are allocated and never read.
   auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
   auto part_lse = at::empty({block_idx.numel() * s.hq()}, q.options().dtype(at::kFloat));
@@ -556,39 +556,46 @@ __device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t
   for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
 }
 
-// With kFusedDq (D=64 builds) the same kernel also produces dQ, as FlashAttention's
-// backward does: dS is already in registers, so dQ += dS K costs one more product per step
-// instead of a second kernel (the query-side dQ kernel recomputes S, P, dP and dS). dQ of a
-// row sums over all 64 keys of the block, which the four warps hold 16 each; rather than
-// reducing four partial dQ tiles (measured: a shared-memory round trip of 4 x kR x 64
-// floats per step), the warps exchange dS (kR x 64 bf16) and each computes dQ for 16 of the
-// 64 columns over all keys. Its K columns are B fragments loaded once per work item. Each
-// lane adds 4 contiguous columns per row into the float32 dq_acc with one 16-byte atomic: a
-// query row receives one add per selected block, never one per key.
-constexpr int kFusedDqCols = 16;  // dQ columns per warp: D = 64 over the 4 warps
-
-// The warp's K columns as B fragments of dS K (keys contracted): kt[kk][half][mi] covers keys
-// 16 kk + 8 half + (2c, 2c+1) of the block and output columns cols(w) + 4 c + 2 mi + (0, 1)
-// of lane (g, c), cols(w) = 32 (w / 2) + 4 (w % 2) (so a lane's 4 outputs per row are
-// contiguous). Keys past `count` are zero.
+// With kFusedDq the same kernel also produces dQ, as FlashAttention's backward does: dS is
+// already in registers, so dQ += dS K costs one more product per step instead of a second
+// kernel (the query-side dQ kernel recomputes S, P, dP and dS). dQ of a row sums over all 64
+// keys of the block, which the four warps hold 16 each; rather than reducing four partial dQ
+// tiles (measured: a shared-memory round trip of 4 x kR x 64 floats per step), the warps
+// exchange dS (kR x 64 bf16) and each computes dQ for 16 columns of every 64-column part of
+// D over all keys. Its K columns are B fragments loaded once per work item: in registers at
+// D=64 (16 per lane), in shared memory at D=128, whose build has no registers to spare (255,
+// already spilling). Each lane adds 4 contiguous columns per row and part into the float32
+// dq_acc with one 16-byte atomic: a query row receives one add per selected block and part,
+// never one per key.
+// The warp's K columns of one 64-column part (columns col0 .. col0 + 63) as B fragments of
+// dS K (keys contracted): kt[kk][half][mi] covers keys 16 kk + 8 half + (2c, 2c+1) of the
+// block and output columns col0 + cols(w) + 4 c + 2 mi + (0, 1) of lane (g, c),
+// cols(w) = 32 (w / 2) + 4 (w % 2) (so a lane's 4 outputs per row are contiguous). Keys past
+// `count` are zero.
 template <typename scalar_t>
 __device__ __forceinline__ void LoadDqKeyFragments(uint32_t (&kt)[4][2][2], const scalar_t* k, const Shape& s,
-                                                   const KeyWork& w, int warp, int lane) {
+                                                   const KeyWork& w, int col0, int warp, int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = 16 * kk + 8 * half + g;
-      uint2 words = make_uint2(0, 0);  // columns 32 i + 8 c + 4 (w % 2) + 0..3 of this key row
+      uint2 words = make_uint2(0, 0);  // columns col0 + 32 i + 8 c + 4 (w % 2) + 0..3 of this key row
       if (key < w.keys.count) {
-        words = *reinterpret_cast<const uint2*>(k + KeyOffset(s, w.b, w.keys.start + key, w.g) +
+        words = *reinterpret_cast<const uint2*>(k + KeyOffset(s, w.b, w.keys.start + key, w.g) + col0 +
                                                 32 * (warp >> 1) + 8 * c + 4 * (warp & 1));
       }
       kt[kk][half][0] = mma::Transpose(words.x);
       kt[kk][half][1] = mma::Transpose(words.y);
     }
   }
+}
+
+// The four fragments of key step kk as one 16-byte value {kt[kk][0][0], kt[kk][0][1],
+// kt[kk][1][0], kt[kk][1][1]}: the unit AddDqColumns reads, from registers or shared memory.
+__device__ __forceinline__ uint4 PackKeyStep(const uint32_t (&kt)[4][2][2], int kk) {
+  return make_uint4(kt[kk][0][0], kt[kk][0][1], kt[kk][1][0], kt[kk][1][1]);
 }
 
 // Writes the warp's dS (keys 16 w .. 16 w + 15 of every staged row) as bf16/fp16 into the
@@ -609,38 +616,42 @@ __device__ __forceinline__ void StoreDsRows(unsigned char* ds_tile, const float 
   }
 }
 
-// dQ of the step's rows for the warp's 16 columns, dS (from the tile) times K, added into
-// dq_acc rows times `scale`. meta[r].z holds staged row r's position as float bits (-1 past
-// the end).
-template <bool kBf16, int kR>
+// dQ of the step's rows for the warp's 16 columns of each 64-column part of D, dS (from the
+// tile) times K, added into dq_acc rows times `scale`. key_step(part, kk) gives the part's
+// PackKeyStep fragments. meta[r].z holds staged row r's position as float bits (-1 past the
+// end).
+template <bool kBf16, int kR, int D, typename KeyStep>
 __device__ __forceinline__ void AddDqColumns(float* __restrict__ dq_acc, const unsigned char* ds_tile,
-                                             const uint32_t (&kt)[4][2][2], const float4 (&meta)[kR],
-                                             const Shape& s, const KeyWork& w, int r0, float scale, int warp,
-                                             int lane) {
+                                             KeyStep key_step, const float4 (&meta)[kR], const Shape& s,
+                                             const KeyWork& w, int r0, float scale, int warp, int lane) {
   const int g = lane >> 2, c = lane & 3, hq = s.hq();
   const uint32_t tile = mma::SmemAddr(ds_tile);
 #pragma unroll
   for (int p = 0; p < kR / 16; ++p) {
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // ldmatrix.x4: lanes 8m .. 8m + 7 address matrix m = (rows +8 if m odd, keys +8 if m >= 2).
-      const int mtx = lane >> 3, row = 16 * p + (lane & 7) + 8 * (mtx & 1);
-      uint32_t a[4];
-      mma::LdMatrixX4(a, tile + mma::SwizzledOffset<64>(row, 2 * kk + (mtx >> 1)));
+    for (int part = 0; part < D / 64; ++part) {
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) mma::Mma<kBf16>(acc[mi], a[0], a[1], a[2], a[3], kt[kk][0][mi], kt[kk][1][mi]);
-    }
+      for (int kk = 0; kk < 4; ++kk) {
+        // ldmatrix.x4: lanes 8m .. 8m + 7 address matrix m = (rows +8 if m odd, keys +8 if m >= 2).
+        const int mtx = lane >> 3, row = 16 * p + (lane & 7) + 8 * (mtx & 1);
+        uint32_t a[4];
+        mma::LdMatrixX4(a, tile + mma::SwizzledOffset<64>(row, 2 * kk + (mtx >> 1)));
+        const uint4 b = key_step(part, kk);
+        mma::Mma<kBf16>(acc[0], a[0], a[1], a[2], a[3], b.x, b.z);
+        mma::Mma<kBf16>(acc[1], a[0], a[1], a[2], a[3], b.y, b.w);
+      }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * p + g + 8 * h;
-      const int t = __float_as_int(meta[row].z);
-      if (t < 0) continue;
-      const int64_t off = QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) + 32 * (warp >> 1) + 8 * c +
-                          4 * (warp & 1);
-      atomicAdd(reinterpret_cast<float4*>(dq_acc + off),
-                make_float4(acc[0][2 * h] * scale, acc[0][2 * h + 1] * scale, acc[1][2 * h] * scale,
-                            acc[1][2 * h + 1] * scale));
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * p + g + 8 * h;
+        const int t = __float_as_int(meta[row].z);
+        if (t < 0) continue;
+        const int64_t off = QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) + 64 * part + 32 * (warp >> 1) +
+                            8 * c + 4 * (warp & 1);
+        atomicAdd(reinterpret_cast<float4*>(dq_acc + off),
+                  make_float4(acc[0][2 * h] * scale, acc[0][2 * h + 1] * scale, acc[1][2 * h] * scale,
+                              acc[1][2 * h + 1] * scale));
+      }
     }
   }
 }
@@ -648,7 +659,7 @@ __device__ __forceinline__ void AddDqColumns(float* __restrict__ dq_acc, const u
 // kR: query rows per step; kMinCtas: CTAs per SM the registers are budgeted for.
 // Default: kR = 32 with 3 CTAs per SM at D=64, kR = 16 with 1 at D=128 (a tighter budget
 // would spill heavily); SelectedKernelChoice::DkDv (kernel_choice.h) forces another D=64 build (A/B).
-// kFusedDq (D=64 builds only): dq_acc receives dQ as well, see above.
+// kFusedDq: dq_acc receives dQ as well, see above.
 template <typename scalar_t, int D, int kR, int kMinCtas, bool kFusedDq>
 __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     SelectedDkDvStagedKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
@@ -717,16 +728,33 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
   }
   // Fused dQ: this warp's K columns as B fragments, and the step's dS rows in shared memory.
-  static_assert(!kFusedDq || D == 4 * kFusedDqCols, "fused dQ: 16 columns per warp");
+  static_assert(!kFusedDq || D == 64 || D == 128, "fused dQ: 16 columns per warp of each 64-column part");
+  constexpr bool kKeyStepsShared = kFusedDq && D > 64;  // no registers for them at D=128
   __shared__ alignas(128) unsigned char ds_tile[kFusedDq ? kR * 64 * 2 : 16];
+  __shared__ uint4 key_steps_s[kKeyStepsShared ? mma::kWarps * (D / 64) * 4 * 32 : 1];
   uint32_t kt[4][2][2];
   if constexpr (kFusedDq) {
-    LoadDqKeyFragments(kt, k, s, w, warp, lane);
+#pragma unroll
+    for (int part = 0; part < D / 64; ++part) {
+      LoadDqKeyFragments(kt, k, s, w, 64 * part, warp, lane);
+      if constexpr (kKeyStepsShared) {
+        // Each warp reads back only its own lanes' entries: no barrier needed.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) key_steps_s[((warp * (D / 64) + part) * 4 + kk) * 32 + lane] = PackKeyStep(kt, kk);
+      }
+    }
     // Idle warps (keys past the block's end) never write their dS columns: zeros, ordered
     // before the first step's writes by that step's barrier.
     for (int i = threadIdx.x; i < kR * 64 * 2 / 16; i += mma::kMmaThreads)
       reinterpret_cast<uint4*>(ds_tile)[i] = make_uint4(0, 0, 0, 0);
   }
+  const auto key_step = [&](int part, int kk) {
+    if constexpr (kKeyStepsShared) {
+      return key_steps_s[((warp * (D / 64) + part) * 4 + kk) * 32 + lane];
+    } else {
+      return PackKeyStep(kt, kk);
+    }
+  };
 
   stage(0, 0);
   for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
@@ -764,7 +792,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
     }
     if constexpr (kFusedDq) {
       __syncthreads();  // the step's dS rows are complete (idle warps' keys stay zero)
-      AddDqColumns<kBf16, kR>(dq_acc, ds_tile, kt, meta[buf], s, w, r0, scale, warp, lane);
+      AddDqColumns<kBf16, kR, D>(dq_acc, ds_tile, key_step, meta[buf], s, w, r0, scale, warp, lane);
     }
     __syncthreads();
   }
@@ -779,22 +807,23 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
 }
 
 // Whether dQ comes from the dK/dV kernel (SelectedDkDvStagedKernel<..., true>). ChoiceFor
-// already rejected a forced fused dQ that cannot run (fp32, D != 64, unstaged dK/dV).
+// already rejected a forced fused dQ that cannot run (fp32, unstaged dK/dV).
 // Auto: fused for groups of fewer than 16 heads. Measured on H100 (selected backward alone,
-// D=64, nsa_bench --slc-only): 12:2 at B16 T2048 2.19 -> 1.70 ms, at 64k 7.15 -> 5.02 ms
+// nsa_bench --slc-only), D=64: 12:2 at B16 T2048 2.19 -> 1.70 ms, at 64k 7.15 -> 5.02 ms
 // (the per-position dQ kernel pads 6 heads to 16 MMA rows there); 64:4 at 64k 20.4 -> 26.4
 // ms (16 heads fill the rows, and the fused kernel's dQ atomics, 3.3 ms of it, cost more).
+// D=128 12:2: B16 T2048 3.87 -> 3.58 ms, 64k 13.97 -> 10.25 ms (9.63 in position order).
 bool UseFusedDq(const Choice& c, const at::Tensor& q, const Shape& s) {
   if (c.dq == Choice::Dq::kFused) return true;
   if (c.dq == Choice::Dq::kQuerySide) return false;
-  return q.scalar_type() != at::kFloat && s.D == 64 && c.dkdv != Choice::DkDv::kUnstaged && s.hq() < 16;
+  return q.scalar_type() != at::kFloat && c.dkdv != Choice::DkDv::kUnstaged && s.hq() < 16;
 }
 
 // The staged kernel's build: a forced choice, else the measured default (D=64: 32 rows per
 // step on a 3-CTA-per-SM register budget, 168 registers and 28 bytes of spill, measured 3-17%
 // faster than 2 CTAs per SM on H100, and with fused dQ too: 1.70 ms against 1.86 (16x3) and
-// 1.89 (32x1) at B16 T2048 12:2; D=128: 16 rows, one CTA's budget). Fused dQ (dq_acc given)
-// exists in the D=64 builds.
+// 1.89 (32x1) at B16 T2048 12:2; D=128: 16 rows, one CTA's budget). Every build has a fused
+// dQ variant (dq_acc given).
 template <typename scalar_t, int D>
 void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                         const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dk_acc, at::Tensor& dv_acc,
@@ -827,8 +856,9 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
     if (build == DkDv::kStaged16x3) pick(std::integral_constant<int, 16>{}, std::integral_constant<int, 3>{});
     if (build == DkDv::kStaged32x1) pick(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
     if (build == DkDv::kStaged32x3) pick(std::integral_constant<int, 32>{}, std::integral_constant<int, 3>{});
+  } else if (dq_acc) {
+    kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 1, true>;
   } else {
-    TORCH_CHECK(dq_acc == nullptr, "fused dQ is a D=64 build");  // ChoiceFor rejects it
     kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 1, false>;
   }
   TORCH_CHECK(kernel != nullptr, "no staged dK/dV build for this choice");
@@ -912,7 +942,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   auto dv_acc = ZeroFloats(v.sizes(), v.options());
 
   const BlockMap map =
-      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*backward=*/true));
+      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, fused_dq));
   const SelectedKeyPolicy kpol = KeyPolicy(map, s, n, g.slc_block);
   const int64_t S = map.segments, max_items = map.max_items;
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};

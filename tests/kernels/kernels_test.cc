@@ -172,7 +172,7 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
   const std::vector<Path> paths = {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
       {"fwd tiled", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0), true, false},
-      {"fwd tiled, dq fused", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0, Dq::kFused), true, true},
+      {"fwd tiled, dq fused", make(Choice::Fwd::kTiled, Choice::DkDv::kAuto, 0, Dq::kFused), true, false},
       // Key-centric forward: per-block partials, combined per position; short slices split a
       // block's entries over many work items.
       {"fwd blocks", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0), true, false},
@@ -184,13 +184,14 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
       // Short slices: many work items per block, one atomic add per slice.
       {"24 queries per dkdv item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24), false, false},
-      // dQ from the dK/dV kernel, in each staged build (one and two 16-row pairs per step),
-      // and with short slices (a row's dQ then sums partials of several work items).
+      // dQ from the dK/dV kernel, in each staged build (one and two 16-row pairs per step;
+      // D=128 has one build, its K fragments in shared memory), and with short slices (a
+      // row's dQ then sums partials of several work items).
       {"dq fused, staged 32x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x3, 0, Dq::kFused), true, true},
       {"dq fused, staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0, Dq::kFused), true, true},
       {"dq fused, staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0, Dq::kFused), true, true},
       {"dq fused, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused), true,
-       true},
+       false},
       // Work items launched in position order (an indirection through the sorted item list)
       // for the block forward and dK/dV, with short slices so the order has many items to
       // permute.
@@ -207,7 +208,14 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
          c.order = Choice::Order::kPosition;
          return c;
        }(),
-       false, false}};
+       false, false},
+      {"dq fused, position order, 24 queries per item",
+       [&] {
+         Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused);
+         c.order = Choice::Order::kPosition;
+         return c;
+       }(),
+       true, false}};
   const Case c = GetParam();
   for (const Path& path : paths) {
     if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
@@ -260,14 +268,14 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   ExpectSelectedAttentionRefuses(choice);
 }
 
-// Fused dQ lives in the staged D=64 tensor-core builds only: fp32, D=128 and the unstaged
-// dK/dV kernel refuse it instead of computing dQ elsewhere.
+// Fused dQ lives in the staged tensor-core builds only: fp32 and the unstaged dK/dV kernel
+// refuse it instead of computing dQ elsewhere.
 TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableFusedDq) {
   using Choice = cuda::detail::SelectedKernelChoice;
   const Case c = GetParam();
   Choice choice;
   choice.dq = Choice::Dq::kFused;
-  if (c.dtype != torch::kFloat && c.D == 64) choice.dkdv = Choice::DkDv::kUnstaged;
+  if (c.dtype != torch::kFloat) choice.dkdv = Choice::DkDv::kUnstaged;
   ExpectSelectedAttentionRefuses(choice);
 }
 
