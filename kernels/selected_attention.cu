@@ -545,15 +545,57 @@ __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred
 }
 
 // Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
-// chunk ch ^ 4*(r & 1), so the 8 lanes of a quarter-warp (rows 2m, 2m+1, chunks 4i..4i+3)
-// hit all 32 banks once when they read their RowFrag pieces.
-__device__ __forceinline__ int SwizzledChunk(int r, int ch) { return ch ^ ((r & 1) << 2); }
+// chunk ch ^ Perm(r % 8), Perm(r) = 4 (r & 1) + (r >> 1) (a bijection on 0..7), which serves
+// both ways the tiles are read without bank conflicts:
+//   * LoadRowShared: the 8 lanes of a quarter-warp read rows 2m, 2m+1, chunks 4i..4i+3; the
+//     two rows' chunks differ in bit 2 (4 (r & 1)), the 4 chunks of a row in bits 0-1;
+//   * ldmatrix (PRTileShared): 8 consecutive rows, one logical chunk; Perm is a bijection.
+__device__ __forceinline__ int SwizzledChunk(int r, int ch) { return ch ^ (((r & 1) << 2) | ((r >> 1) & 3)); }
 
 template <int D, typename scalar_t>
 __device__ __forceinline__ void LoadRowShared(mma::RowFrag<D>& f, const scalar_t* tile, int r, int lane) {
   const uint4* row = reinterpret_cast<const uint4*>(tile + r * D);
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) f.c[i] = row[SwizzledChunk(r, 4 * i + (lane & 3))];
+}
+
+// acc += P R for the warp's 16 keys: P (16 keys x kR staged rows) in C-fragment floats p[j]
+// of 8-row tile j, as S^T and dS^T come out of QKTile; R the staged rows (dO or Q, kR x D) in
+// shared memory. R's B fragments come from ldmatrix.trans of the staged tile, so the rows
+// need no registers across the softmax and no movmatrix transposes (mma::PRTile's way, from
+// rows in registers). acc is in natural column order: acc[nt][2h + e] is key g + 8h,
+// column 8 nt + 2c + e.
+template <bool kBf16, int D, int kR, typename scalar_t>
+__device__ __forceinline__ void PRTileShared(float (&acc)[D / 8][4], const float (&p)[kR / 8][4],
+                                             const scalar_t* tile, int lane) {
+  const uint32_t base = mma::SmemAddr(tile);
+#pragma unroll
+  for (int kk = 0; kk < kR / 16; ++kk) {
+    const uint32_t a0 = mma::Pack<kBf16>(p[2 * kk][0], p[2 * kk][1]);
+    const uint32_t a1 = mma::Pack<kBf16>(p[2 * kk][2], p[2 * kk][3]);
+    const uint32_t a2 = mma::Pack<kBf16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    const uint32_t a3 = mma::Pack<kBf16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    // Lanes 8m .. 8m + 7 address matrix m: rows 16 kk + (0..7) + 8 (m & 1), chunk 2 np + m / 2.
+    const int row = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int np = 0; np < D / 16; ++np) {
+      uint32_t b[4];
+      mma::LdMatrixX4Trans(b, base + (row * D + SwizzledChunk(row, 2 * np + (lane >> 4)) * 8) * 2);
+      mma::Mma<kBf16>(acc[2 * np], a0, a1, a2, a3, b[0], b[1]);
+      mma::Mma<kBf16>(acc[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
+    }
+  }
+}
+
+// Adds a lane's PRTileShared accumulator rows (times mul) into a float32 row.
+template <int D>
+__device__ __forceinline__ void AtomicAddRowNatural(float* row, const float (&acc)[D / 8][4], int half, float mul,
+                                                    int lane) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    atomicAdd(reinterpret_cast<float2*>(row + 8 * nt + 2 * (lane & 3)),
+              make_float2(acc[nt][2 * half] * mul, acc[nt][2 * half + 1] * mul));
+  }
 }
 
 // With kFusedDq the same kernel also produces dQ, as FlashAttention's backward does: dS is
@@ -786,8 +828,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
           }
         }
       }
-      mma::PRTile<kBf16, D, kR>(dv, st, dr);
-      mma::PRTile<kBf16, D, kR>(dk, dpt, qr);
+      PRTileShared<kBf16, D, kR>(dv, st, do_s[buf], lane);
+      PRTileShared<kBf16, D, kR>(dk, dpt, q_s[buf], lane);
       if constexpr (kFusedDq) StoreDsRows<kBf16, kR>(ds_tile, dpt, warp, lane);
     }
     if constexpr (kFusedDq) {
@@ -801,8 +843,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
   for (int half = 0; half < 2; ++half) {
     if (!key_ok[half]) continue;
     const int64_t off = KeyOffset(s, w.b, key[half], w.g);
-    mma::AtomicAddRow<D>(dk_acc + off, dk, half, scale, lane);
-    mma::AtomicAddRow<D>(dv_acc + off, dv, half, 1.f, lane);
+    AtomicAddRowNatural<D>(dk_acc + off, dk, half, scale, lane);
+    AtomicAddRowNatural<D>(dv_acc + off, dv, half, 1.f, lane);
   }
 }
 
