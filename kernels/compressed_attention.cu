@@ -601,10 +601,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
             sc[m][nn][e] = p * (dp[m][nn][e] - row_delta[m][h]);  // dS
           }
         }
-        a[m][0] = mma::Pack<kBf16>(sc[m][0][0], sc[m][0][1]);
-        a[m][1] = mma::Pack<kBf16>(sc[m][0][2], sc[m][0][3]);
-        a[m][2] = mma::Pack<kBf16>(sc[m][1][0], sc[m][1][1]);
-        a[m][3] = mma::Pack<kBf16>(sc[m][1][2], sc[m][1][3]);
+        mma::PackA<kBf16>(a[m], sc[m][0], sc[m][1]);
       }
       // dQ += dS K: K rows 16kk.. as the B operand over keys (transposed by ldmatrix).
 #pragma unroll
@@ -826,24 +823,19 @@ __global__ void __launch_bounds__(CmpDkDvCfg<D>::kThreads)
     // dV += P^T dO, dK += dS^T Q: the query rows are the contraction (ldmatrix.trans).
 #pragma unroll
     for (int kk = 0; kk < kR / 16; ++kk) {
-      const uint32_t p0 = mma::Pack<kBf16>(st[2 * kk][0], st[2 * kk][1]);
-      const uint32_t p1 = mma::Pack<kBf16>(st[2 * kk][2], st[2 * kk][3]);
-      const uint32_t p2 = mma::Pack<kBf16>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      const uint32_t p3 = mma::Pack<kBf16>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-      const uint32_t s0 = mma::Pack<kBf16>(dpt[2 * kk][0], dpt[2 * kk][1]);
-      const uint32_t s1 = mma::Pack<kBf16>(dpt[2 * kk][2], dpt[2 * kk][3]);
-      const uint32_t s2 = mma::Pack<kBf16>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-      const uint32_t s3 = mma::Pack<kBf16>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+      uint32_t pa[4], sa[4];
+      mma::PackA<kBf16>(pa, st[2 * kk], st[2 * kk + 1]);
+      mma::PackA<kBf16>(sa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
       for (int p = 0; p < D / 16; ++p) {
         const uint32_t off = mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4));
         uint32_t db[4], qb[4];
         mma::LdMatrixX4Trans(db, do_t + off);
         mma::LdMatrixX4Trans(qb, q_t + off);
-        mma::Mma<kBf16>(dv[2 * p], p0, p1, p2, p3, db[0], db[1]);
-        mma::Mma<kBf16>(dv[2 * p + 1], p0, p1, p2, p3, db[2], db[3]);
-        mma::Mma<kBf16>(dk[2 * p], s0, s1, s2, s3, qb[0], qb[1]);
-        mma::Mma<kBf16>(dk[2 * p + 1], s0, s1, s2, s3, qb[2], qb[3]);
+        mma::Mma<kBf16>(dv[2 * p], pa[0], pa[1], pa[2], pa[3], db[0], db[1]);
+        mma::Mma<kBf16>(dv[2 * p + 1], pa[0], pa[1], pa[2], pa[3], db[2], db[3]);
+        mma::Mma<kBf16>(dk[2 * p], sa[0], sa[1], sa[2], sa[3], qb[0], qb[1]);
+        mma::Mma<kBf16>(dk[2 * p + 1], sa[0], sa[1], sa[2], sa[3], qb[2], qb[3]);
       }
     }
   }
@@ -852,13 +844,8 @@ __global__ void __launch_bounds__(CmpDkDvCfg<D>::kThreads)
     const int key_local = 16 * warp + g + 8 * h;
     if (key_local >= w.keys.count) continue;
     const int64_t off = KeyOffset(s, w.b, w.keys.start + key_local, w.g);
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      atomicAdd(reinterpret_cast<float2*>(dk_acc + off + 8 * i + 2 * c),
-                make_float2(dk[i][2 * h] * scale, dk[i][2 * h + 1] * scale));
-      atomicAdd(reinterpret_cast<float2*>(dv_acc + off + 8 * i + 2 * c),
-                make_float2(dv[i][2 * h], dv[i][2 * h + 1]));
-    }
+    mma::AtomicAddRowColumns<D>(dk_acc + off, dk, h, scale, lane);
+    mma::AtomicAddRowColumns<D>(dv_acc + off, dv, h, 1.f, lane);
   }
 }
 

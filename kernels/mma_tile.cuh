@@ -87,6 +87,17 @@ __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
   return r;
 }
 
+// The A fragment of a 16x16 piece whose two 8-column halves are the C fragments lo and hi,
+// rounded to 16 bits: an MMA's output fed straight into the next one (P or dS, as
+// FlashAttention-2 does).
+template <bool kBf16>
+__device__ __forceinline__ void PackA(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = Pack<kBf16>(lo[0], lo[1]);
+  a[1] = Pack<kBf16>(lo[2], lo[3]);
+  a[2] = Pack<kBf16>(hi[0], hi[1]);
+  a[3] = Pack<kBf16>(hi[2], hi[3]);
+}
+
 // A lane's share of one row of D 16-bit elements: physical columns 32i + 8c .. +7 in c[i].
 template <int D>
 struct RowFrag {
@@ -145,15 +156,13 @@ __device__ __forceinline__ void PRTile(float (&acc)[D / 8][4], const float (&p)[
                                        const RowFrag<D> (&rows)[kN / 8]) {
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) {
-    const uint32_t a0 = Pack<kBf16>(p[2 * kk][0], p[2 * kk][1]);
-    const uint32_t a1 = Pack<kBf16>(p[2 * kk][2], p[2 * kk][3]);
-    const uint32_t a2 = Pack<kBf16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    const uint32_t a3 = Pack<kBf16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    uint32_t a[4];
+    PackA<kBf16>(a, p[2 * kk], p[2 * kk + 1]);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        Mma<kBf16>(acc[4 * i + m], a0, a1, a2, a3, Transpose(rows[2 * kk].Word(i, m)),
+        Mma<kBf16>(acc[4 * i + m], a[0], a[1], a[2], a[3], Transpose(rows[2 * kk].Word(i, m)),
                    Transpose(rows[2 * kk + 1].Word(i, m)));
       }
     }
@@ -401,6 +410,19 @@ __device__ __forceinline__ void AtomicAddRow(float* row, const float (&acc)[D / 
                                    acc[4 * i + m + 1][2 * half + 1] * mul);
       atomicAdd(reinterpret_cast<float4*>(row + 32 * i + 8 * (lane & 3) + 2 * m), v);
     }
+  }
+}
+
+// Adds a lane's accumulator rows in natural column order (acc[nt][2 half + e] is row g + 8
+// half, column 8 nt + 2c + e, the layout of products whose B fragments come from ldmatrix),
+// times mul, into a float32 row with 8-byte vector atomics.
+template <int D>
+__device__ __forceinline__ void AtomicAddRowColumns(float* row, const float (&acc)[D / 8][4], int half, float mul,
+                                                    int lane) {
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    atomicAdd(reinterpret_cast<float2*>(row + 8 * nt + 2 * (lane & 3)),
+              make_float2(acc[nt][2 * half] * mul, acc[nt][2 * half + 1] * mul));
   }
 }
 

@@ -571,30 +571,17 @@ __device__ __forceinline__ void PRTileShared(float (&acc)[D / 8][4], const float
   const uint32_t base = mma::SmemAddr(tile);
 #pragma unroll
   for (int kk = 0; kk < kR / 16; ++kk) {
-    const uint32_t a0 = mma::Pack<kBf16>(p[2 * kk][0], p[2 * kk][1]);
-    const uint32_t a1 = mma::Pack<kBf16>(p[2 * kk][2], p[2 * kk][3]);
-    const uint32_t a2 = mma::Pack<kBf16>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    const uint32_t a3 = mma::Pack<kBf16>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    uint32_t a[4];
+    mma::PackA<kBf16>(a, p[2 * kk], p[2 * kk + 1]);
     // Lanes 8m .. 8m + 7 address matrix m: rows 16 kk + (0..7) + 8 (m & 1), chunk 2 np + m / 2.
     const int row = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
 #pragma unroll
     for (int np = 0; np < D / 16; ++np) {
       uint32_t b[4];
       mma::LdMatrixX4Trans(b, base + (row * D + SwizzledChunk(row, 2 * np + (lane >> 4)) * 8) * 2);
-      mma::Mma<kBf16>(acc[2 * np], a0, a1, a2, a3, b[0], b[1]);
-      mma::Mma<kBf16>(acc[2 * np + 1], a0, a1, a2, a3, b[2], b[3]);
+      mma::Mma<kBf16>(acc[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
+      mma::Mma<kBf16>(acc[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
     }
-  }
-}
-
-// Adds a lane's PRTileShared accumulator rows (times mul) into a float32 row.
-template <int D>
-__device__ __forceinline__ void AtomicAddRowNatural(float* row, const float (&acc)[D / 8][4], int half, float mul,
-                                                    int lane) {
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    atomicAdd(reinterpret_cast<float2*>(row + 8 * nt + 2 * (lane & 3)),
-              make_float2(acc[nt][2 * half] * mul, acc[nt][2 * half + 1] * mul));
   }
 }
 
@@ -843,8 +830,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
   for (int half = 0; half < 2; ++half) {
     if (!key_ok[half]) continue;
     const int64_t off = KeyOffset(s, w.b, key[half], w.g);
-    AtomicAddRowNatural<D>(dk_acc + off, dk, half, scale, lane);
-    AtomicAddRowNatural<D>(dv_acc + off, dv, half, 1.f, lane);
+    mma::AtomicAddRowColumns<D>(dk_acc + off, dk, half, scale, lane);
+    mma::AtomicAddRowColumns<D>(dv_acc + off, dv, half, 1.f, lane);
   }
 }
 

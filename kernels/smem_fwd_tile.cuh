@@ -122,12 +122,7 @@ __device__ __forceinline__ void SoftmaxPV(State<D, kM>& st, float (&sc)[kM][kN /
   for (int kk = 0; kk < kN / 16; ++kk) {
     uint32_t a[kM][4];
 #pragma unroll
-    for (int t = 0; t < kM; ++t) {
-      a[t][0] = mma::Pack<kBf16>(sc[t][2 * kk][0], sc[t][2 * kk][1]);
-      a[t][1] = mma::Pack<kBf16>(sc[t][2 * kk][2], sc[t][2 * kk][3]);
-      a[t][2] = mma::Pack<kBf16>(sc[t][2 * kk + 1][0], sc[t][2 * kk + 1][1]);
-      a[t][3] = mma::Pack<kBf16>(sc[t][2 * kk + 1][2], sc[t][2 * kk + 1][3]);
-    }
+    for (int t = 0; t < kM; ++t) mma::PackA<kBf16>(a[t], sc[t][2 * kk], sc[t][2 * kk + 1]);
 #pragma unroll
     for (int p = 0; p < D / 16; ++p) {
       uint32_t vb[4];
