@@ -592,10 +592,11 @@ __device__ __forceinline__ void PRTileShared(float (&acc)[D / 8][4], const float
 // tiles (measured: a shared-memory round trip of 4 x kR x 64 floats per step), the warps
 // exchange dS (kR x 64 bf16) and each computes dQ for 16 columns of every 64-column part of
 // D over all keys. Its K columns are B fragments loaded once per work item: in registers at
-// D=64 (16 per lane), in shared memory at D=128, whose build has no registers to spare (255,
-// already spilling). Each lane adds 4 contiguous columns per row and part into the float32
-// dq_acc with one 16-byte atomic: a query row receives one add per selected block and part,
-// never one per key.
+// D=64 (16 per lane), in shared memory at D=128, whose build has no registers to spare (it
+// uses 255). Each lane adds 4 contiguous columns per row and part into the float32 dq_acc
+// with one 16-byte atomic: a query row receives one add per selected block and part, never
+// one per key.
+
 // The warp's K columns of one 64-column part (columns col0 .. col0 + 63) as B fragments of
 // dS K (keys contracted): kt[kk][half][mi] covers keys 16 kk + 8 half + (2c, 2c+1) of the
 // block and output columns col0 + cols(w) + 4 c + 2 mi + (0, 1) of lane (g, c),
