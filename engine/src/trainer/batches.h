@@ -16,6 +16,7 @@ class BatchSource {
  public:
   // Opens the data (throws data::DataError naming the field on bad data).
   BatchSource(const TrainConfig& config, torch::Device device);
+  ~BatchSource();
 
   // [batch_size, seq_len + 1] int64 on the device. Throws TrainingHalt(step) when the data
   // turns out to be bad mid-run (e.g. a token outside the vocabulary).
@@ -27,13 +28,16 @@ class BatchSource {
   data::BatchLoader& train_loader() { return *train_; }
 
  private:
-  torch::Tensor ToDevice(const data::Batch& batch) const;
+  torch::Tensor ToDevice(const data::Batch& batch);
+
+  struct PinnedStaging;  // page-locked host buffers for the copies to a CUDA device
 
   TrainConfig config_;
   torch::Device device_;
   data::DatasetSplits splits_;
   std::unique_ptr<data::BatchLoader> train_;
   std::vector<torch::Tensor> val_;
+  std::unique_ptr<PinnedStaging> staging_;
 };
 
 }  // namespace nsad
