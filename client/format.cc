@@ -206,12 +206,13 @@ std::string FormatGates(const nsa::v1::InspectGatesResponse& response) {
 
 std::string FormatThroughput(const nsa::v1::GetThroughputResponse& response) {
   using A = Table::Align;
-  Table table({"RUN_ID", "STEP", "TOK/S", "MEAN_TOK/S", "STEP_TIME", "TOKENS_SEEN"},
-              {A::kLeft, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight});
+  Table table({"RUN_ID", "STEP", "TOK/S", "MEAN_TOK/S", "STEP_TIME", "DATA_TIME", "TOKENS_SEEN"},
+              {A::kLeft, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight});
   table.AddRow({response.run_id(), std::to_string(response.step()),
                 FormatRate(response.tokens_per_second()),
                 FormatRate(response.mean_tokens_per_second()),
-                Printf("%.3fs", response.step_seconds()), std::to_string(response.tokens_seen())});
+                Printf("%.3fs", response.step_seconds()), Printf("%.3fs", response.data_seconds()),
+                std::to_string(response.tokens_seen())});
   return table.Render();
 }
 

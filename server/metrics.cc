@@ -28,6 +28,10 @@ Metrics::Metrics()
                              .Name("nsad_run_tokens_per_second")
                              .Help("Training throughput of the last step")
                              .Register(*registry_)),
+      data_seconds_(BuildGauge()
+                        .Name("nsad_run_data_seconds")
+                        .Help("Host seconds of the last step spent getting its batch (loader wait and copy)")
+                        .Register(*registry_)),
       tokens_total_(BuildCounter().Name("nsad_run_tokens_total").Help("Tokens trained on").Register(*registry_)),
       grad_norm_(BuildGauge().Name("nsad_run_grad_norm").Help("Gradient norm before clipping").Register(*registry_)),
       lr_(BuildGauge().Name("nsad_run_lr").Help("Learning rate of the last step").Register(*registry_)),
@@ -78,6 +82,7 @@ void Metrics::RecordStep(const std::string& run_id, const std::string& backend,
   step_.Add({{"run_id", run_id}}).Set(static_cast<double>(m.step));
   loss_.Add({{"run_id", run_id}}).Set(m.loss);
   tokens_per_second_.Add({{"run_id", run_id}, {"attention_backend", backend}}).Set(m.tokens_per_second);
+  data_seconds_.Add({{"run_id", run_id}}).Set(m.data_seconds);
   auto& total = tokens_total_.Add({{"run_id", run_id}});
   const double delta = static_cast<double>(m.tokens_seen) - total.Value();
   if (delta > 0) total.Increment(delta);

@@ -41,6 +41,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& loss_;
   prometheus::Family<prometheus::Gauge>& val_loss_;
   prometheus::Family<prometheus::Gauge>& tokens_per_second_;
+  prometheus::Family<prometheus::Gauge>& data_seconds_;
   prometheus::Family<prometheus::Counter>& tokens_total_;
   prometheus::Family<prometheus::Gauge>& grad_norm_;
   prometheus::Family<prometheus::Gauge>& lr_;

@@ -173,6 +173,7 @@ class RemoteTrainer final : public Trainer {
     m.lr = s.lr();
     m.grad_norm = s.grad_norm();
     m.step_seconds = s.step_seconds();
+    m.data_seconds = s.data_seconds();
     m.tokens_per_second = s.tokens_per_second();
     m.tokens_seen = s.tokens_seen();
     m.skipped_reason = s.skipped_reason();

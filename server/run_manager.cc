@@ -72,6 +72,7 @@ struct RunManager::Run {
   GateReport gates;
   bool has_gates = false;
   double step_seconds = 0.0;
+  double data_seconds = 0.0;  // of the last step's step_seconds
   std::thread thread;
 };
 
@@ -300,6 +301,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       p->set_val_step(m.step);
     }
     run->step_seconds = m.step_seconds;
+    run->data_seconds = m.data_seconds;
     run->gates = gates;
     run->has_gates = true;
     run->info.set_updated_unix_ms(NowMs());
@@ -532,6 +534,7 @@ grpc::Status RunManager::Throughput(const std::string& run_id,
   out->set_tokens_per_second(p.tokens_per_second());
   out->set_tokens_seen(p.tokens_seen());
   out->set_step_seconds(run->step_seconds);
+  out->set_data_seconds(run->data_seconds);
   out->set_mean_tokens_per_second(p.elapsed_seconds() > 0 ? p.tokens_seen() / p.elapsed_seconds()
                                                            : 0.0);
   return grpc::Status::OK;

@@ -33,6 +33,7 @@ void FillStepped(const nsad::StepMetrics& m, const nsad::GateReport& gates, work
   s->set_lr(m.lr);
   s->set_grad_norm(m.grad_norm);
   s->set_step_seconds(m.step_seconds);
+  s->set_data_seconds(m.data_seconds);
   s->set_tokens_per_second(m.tokens_per_second);
   s->set_tokens_seen(m.tokens_seen);
   s->set_skipped_reason(m.skipped_reason);

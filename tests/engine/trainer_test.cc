@@ -57,6 +57,9 @@ TEST_F(TrainerTest, LearnsAndReportsSaneMetrics) {
     last = trainer->Step();
     if (i == 0) first = last;
     ASSERT_TRUE(std::isfinite(last.loss));
+    // The step's data time is a part of its wall time, taken afresh every step.
+    EXPECT_GT(last.data_seconds, 0.0) << "step " << last.step;
+    EXPECT_LT(last.data_seconds, last.step_seconds) << "step " << last.step;
   }
   EXPECT_TRUE(trainer->finished());
   EXPECT_EQ(last.step, 40);

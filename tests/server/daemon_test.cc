@@ -209,6 +209,8 @@ TEST_F(DaemonTest, StartWatchPauseResumeHalt) {
     ASSERT_TRUE(daemon_->stub().GetThroughput(&ctx, request, &tput).ok());
     EXPECT_GT(tput.tokens_per_second(), 0.0);
     EXPECT_EQ(tput.tokens_seen(), final_step * 64 * 2);
+    EXPECT_GT(tput.data_seconds(), 0.0);  // the last step's batch, through the worker
+    EXPECT_LT(tput.data_seconds(), tput.step_seconds());
   }
 }
 
@@ -381,6 +383,9 @@ TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
   EXPECT_TRUE(std::isfinite(loss) && loss > 0 && loss < 10) << loss;
   const double tps = Sample(body, "nsad_run_tokens_per_second{attention_backend=\"reference\"," + run_label + "}");
   EXPECT_GT(tps, 0) << body;
+  const double data = Sample(body, "nsad_run_data_seconds{" + run_label + "}");
+  EXPECT_GT(data, 0) << body;
+  EXPECT_LT(data, 60) << body;
   EXPECT_EQ(Sample(body, "nsad_run_tokens_total{" + run_label + "}"), info.progress().tokens_seen());
   EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"PAUSED\"}"), 1);
   EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"RUNNING\"}"), 0);

@@ -40,6 +40,9 @@ struct StepMetrics {
   double lr = 0.0;
   double grad_norm = 0.0;
   double step_seconds = 0.0;
+  // Of step_seconds: host time spent getting the step's batches (waiting for the prefetching
+  // loader, copying them to the device). Near zero when the GPU never waits on data.
+  double data_seconds = 0.0;
   double tokens_per_second = 0.0;
   int64_t tokens_seen = 0;
   // Set when the step's loss or gradient norm was not finite and nonfinite_policy "skip"

@@ -4,6 +4,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 
 #include <array>
+#include <chrono>
 
 #include "data/data_error.h"
 #include "nsad/engine.h"
@@ -55,11 +56,20 @@ torch::Tensor BatchSource::ToDevice(const data::Batch& batch) {
 }
 
 torch::Tensor BatchSource::NextTrain(int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
   try {
-    return ToDevice(train_->Next());
+    auto batch = ToDevice(train_->Next());
+    data_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return batch;
   } catch (const data::DataError& e) {
     throw TrainingHalt(step, std::string("bad training data: ") + e.what());
   }
+}
+
+double BatchSource::TakeDataSeconds() {
+  const double seconds = data_seconds_;
+  data_seconds_ = 0.0;
+  return seconds;
 }
 
 const std::vector<torch::Tensor>& BatchSource::ValBatches() {

@@ -22,6 +22,9 @@ class BatchSource {
   // turns out to be bad mid-run (e.g. a token outside the vocabulary).
   torch::Tensor NextTrain(int64_t step);
 
+  // Host seconds NextTrain has taken since the last call (the step's data time).
+  double TakeDataSeconds();
+
   // The same eval_batches batches on every call, so validation losses are comparable.
   const std::vector<torch::Tensor>& ValBatches();
 
@@ -38,6 +41,7 @@ class BatchSource {
   std::unique_ptr<data::BatchLoader> train_;
   std::vector<torch::Tensor> val_;
   std::unique_ptr<PinnedStaging> staging_;
+  double data_seconds_ = 0.0;
 };
 
 }  // namespace nsad

@@ -137,6 +137,7 @@ class TorchTrainer final : public Trainer {
     m.lr = lr;
     m.grad_norm = grad_norm;
     m.step_seconds = seconds;
+    m.data_seconds = batches_->TakeDataSeconds();
     const int64_t tokens = TokensPerStep();
     tokens_seen_ += tokens;
     m.tokens_seen = tokens_seen_;
@@ -266,6 +267,7 @@ class TorchTrainer final : public Trainer {
       m.lr = lr;
       m.grad_norm = grad_norm;
       m.tokens_seen = tokens_seen_;  // the skipped step's tokens were not trained on
+      m.data_seconds = batches_->TakeDataSeconds();
       m.skipped_steps = skipped_steps_;
       m.skipped_reason = report + "; update skipped (" + std::to_string(skipped_steps_) + " of " +
                          std::to_string(config_.nonfinite_max_skips) + " allowed)";
