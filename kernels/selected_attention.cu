@@ -535,7 +535,9 @@ void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const 
 // the next step (Q, dO, lse, delta) are copied into shared memory while the current one is
 // computed, once for the four warps, instead of each warp loading them from L2 right before
 // use: the old kernel spent most of its time waiting on those loads (two dependent gathers
-// per step for lse/delta, at 8 warps per SM).
+// per step for lse/delta, at 8 warps per SM). The P dO and dS Q products also take their
+// B operands from those tiles (PRTileShared, ldmatrix.trans) rather than transposing rows
+// held in registers, so dK/dV come out in natural column order (mma::AtomicAddRowColumns).
 // 4-byte copies (lse, delta) go through L1 (.ca: cp.async.cg takes 16 bytes only); the rows
 // use mma::CpAsync16.
 __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred) {
@@ -762,6 +764,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
   constexpr bool kKeyStepsShared = kFusedDq && D > 64;  // no registers for them at D=128
   __shared__ alignas(128) unsigned char ds_tile[kFusedDq ? kR * 64 * 2 : 16];
   __shared__ uint4 key_steps_s[kKeyStepsShared ? mma::kWarps * (D / 64) * 4 * 32 : 1];
+  // The warp's own entry of part `part`, key step kk, for this lane.
+  const auto key_step_slot = [&](int part, int kk) { return ((warp * (D / 64) + part) * 4 + kk) * 32 + lane; };
   uint32_t kt[4][2][2];
   if constexpr (kFusedDq) {
 #pragma unroll
@@ -770,7 +774,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
       if constexpr (kKeyStepsShared) {
         // Each warp reads back only its own lanes' entries: no barrier needed.
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) key_steps_s[((warp * (D / 64) + part) * 4 + kk) * 32 + lane] = PackKeyStep(kt, kk);
+        for (int kk = 0; kk < 4; ++kk) key_steps_s[key_step_slot(part, kk)] = PackKeyStep(kt, kk);
       }
     }
     // Idle warps (keys past the block's end) never write their dS columns: zeros, ordered
@@ -780,7 +784,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
   }
   const auto key_step = [&](int part, int kk) {
     if constexpr (kKeyStepsShared) {
-      return key_steps_s[((warp * (D / 64) + part) * 4 + kk) * 32 + lane];
+      return key_steps_s[key_step_slot(part, kk)];
     } else {
       return PackKeyStep(kt, kk);
     }

@@ -12,9 +12,10 @@
 namespace nsad {
 
 // Page-locked int64 buffers allocated once and reused round-robin, each only after its last
-// copy to the device has finished (its event). Pinning every batch afresh
-// (Tensor::pin_memory) cost 11-17 ms of each 125 ms m7c step in the daemon on the H100
-// machine, measured: most of its gap to train_bench, whose tokens are already on the GPU.
+// copy to the device has finished (its event). With every batch pinned afresh
+// (Tensor::pin_memory) the daemon's m7c steps on the H100 machine spent 11.5-16.9 ms of
+// their ~125 ms getting the batch; with this ring, 3.9-8.1 ms (measured; the rest is not
+// explained yet). train_bench's tokens are already on the GPU.
 struct BatchSource::PinnedStaging {
   struct Slot {
     torch::Tensor host;
