@@ -4,8 +4,12 @@
 // gives them (same seed, same data).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
+#include "data/batch_loader.h"
+#include "data/dataset.h"
 #include "tiny_run.h"
 #include "trainer/batches.h"
 
@@ -35,6 +39,40 @@ TEST_F(TrainerTest, BatchesReachTheDeviceIntactThroughThePinnedRing) {
   for (size_t i = 0; i < val_gpu.size(); ++i) {
     EXPECT_TRUE(torch::equal(val_gpu[i].cpu(), val_cpu[i])) << "validation batch " << i;
   }
+}
+
+// The int64 batches hold exactly the loader's tokens, in its order, with values beyond 16 bits
+// (a uint32 shard, vocabulary over 65535) intact.
+TEST_F(TrainerTest, BatchesHoldTheLoadersTokensAsInt64) {
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 6000; ++i) tokens.push_back((i * 7919u) % 200000u);
+  const std::string path = (dir_ / "wide.bin").string();
+  data::WriteShard(path, tokens, data::TokenWidth::kUint32);
+  TrainConfig config = Tiny();
+  config.model.vocab_size = 200000;
+  config.data.train_path = path;
+  config.data.val_path.clear();
+  BatchSource source(config, torch::Device(torch::kCPU));
+
+  data::LoaderOptions options;
+  options.batch_size = config.batch_size;
+  options.seq_len = config.seq_len;
+  options.seed = config.seed;
+  options.vocab_size = config.model.vocab_size;
+  data::BatchLoader loader(data::OpenDataset(config.data, config.seq_len).train, options);
+  int64_t widest = 0;
+  for (int step = 1; step <= 5; ++step) {
+    const torch::Tensor batch = source.NextTrain(step);
+    const data::Batch expected = loader.Next();
+    ASSERT_EQ(batch.scalar_type(), torch::kInt64);
+    ASSERT_EQ(batch.sizes(), torch::IntArrayRef({config.batch_size, config.seq_len + 1}));
+    const int64_t* got = batch.data_ptr<int64_t>();
+    for (size_t i = 0; i < expected.tokens.size(); ++i) {
+      ASSERT_EQ(got[i], expected.tokens[i]) << "step " << step << ", token " << i;
+      widest = std::max(widest, got[i]);
+    }
+  }
+  EXPECT_GT(widest, 65535);  // the test reached tokens a 16-bit shard cannot hold
 }
 
 }  // namespace
