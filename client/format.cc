@@ -122,6 +122,14 @@ std::string FormatLearningRate(double lr) {
   return Unknown(lr, &text) ? text : Printf("%.2e", lr);
 }
 
+// Milliseconds with two decimals below a second: a healthy step's data time is a fraction
+// of a millisecond, which "%.3fs" printed as 0.000s.
+std::string FormatStepTime(double seconds) {
+  std::string text;
+  if (Unknown(seconds, &text)) return text;
+  return seconds < 1.0 ? Printf("%.2fms", seconds * 1e3) : Printf("%.3fs", seconds);
+}
+
 std::string FormatDuration(double seconds) {
   std::string text;
   if (Unknown(seconds, &text)) return text;
@@ -211,7 +219,7 @@ std::string FormatThroughput(const nsa::v1::GetThroughputResponse& response) {
   table.AddRow({response.run_id(), std::to_string(response.step()),
                 FormatRate(response.tokens_per_second()),
                 FormatRate(response.mean_tokens_per_second()),
-                Printf("%.3fs", response.step_seconds()), Printf("%.3fs", response.data_seconds()),
+                FormatStepTime(response.step_seconds()), FormatStepTime(response.data_seconds()),
                 std::to_string(response.tokens_seen())});
   return table.Render();
 }

@@ -47,6 +47,7 @@ std::string FormatLoss(double loss);             // 4 decimals
 std::string FormatRate(double tokens_per_second);  // whole tokens per second
 std::string FormatLearningRate(double lr);       // 3 significant digits, e.g. 3.00e-04
 std::string FormatDuration(double seconds);      // 1h02m03s, 4m05s, 12.3s
+std::string FormatStepTime(double seconds);      // 110.42ms, 0.18ms; from 1 s on 1.500s
 
 // `nsactl list`: one row per run.
 std::string FormatRunList(const nsa::v1::ListRunsResponse& response);

@@ -144,7 +144,7 @@ class FakeTrainer final : public nsa::v1::Trainer::Service {
     response->set_tokens_per_second(5000);
     response->set_mean_tokens_per_second(4500);
     response->set_step_seconds(0.25);
-    response->set_data_seconds(0.012);
+    response->set_data_seconds(0.00018);
     response->set_step(12);
     response->set_tokens_seen(60000);
     return Status::OK;
@@ -283,9 +283,10 @@ TEST_F(CommandsTest, GatesAndThroughput) {
   EXPECT_NE(out_.str().find("0.200 ±0.000"), std::string::npos) << out_.str();
   ASSERT_EQ(Run({"throughput", "r1"}), kExitOk) << err_.str();
   EXPECT_NE(out_.str().find("4500"), std::string::npos) << out_.str();
-  EXPECT_NE(out_.str().find("0.250s"), std::string::npos) << out_.str();
+  EXPECT_NE(out_.str().find("250.00ms"), std::string::npos) << out_.str();
   EXPECT_NE(out_.str().find("DATA_TIME"), std::string::npos) << out_.str();
-  EXPECT_NE(out_.str().find("0.012s"), std::string::npos) << out_.str();
+  // A healthy data time is a fraction of a millisecond: it must not print as zero.
+  EXPECT_NE(out_.str().find("0.18ms"), std::string::npos) << out_.str();
 }
 
 TEST_F(CommandsTest, WatchPrintsEventsAndExitsZeroOnCompletion) {

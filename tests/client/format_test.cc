@@ -61,6 +61,9 @@ TEST(Numbers, FormatsAndUnknownValues) {
   EXPECT_EQ(FormatLoss(std::numeric_limits<double>::infinity()), "inf");
   EXPECT_EQ(FormatRate(12345.6), "12346");
   EXPECT_EQ(FormatLearningRate(3e-4), "3.00e-04");
+  EXPECT_EQ(FormatStepTime(0.11042), "110.42ms");
+  EXPECT_EQ(FormatStepTime(0.00018), "0.18ms");
+  EXPECT_EQ(FormatStepTime(1.5), "1.500s");
   EXPECT_EQ(FormatDuration(12.34), "12.3s");
   EXPECT_EQ(FormatDuration(245), "4m05s");
   EXPECT_EQ(FormatDuration(3723), "1h02m03s");
