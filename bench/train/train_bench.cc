@@ -6,13 +6,15 @@
 //                  through PyTorch's SDPA (FlashAttention), the baseline of the issue
 // at batch 1 and 16. Every variant runs the trainer's step: the optimizer is the trainer's
 // (nsad::AdamW: decay on matrices, clipping at 1.0, found_inf skip, all on the device), and
-// the step ends with the trainer's one host read of loss and gradient norm. Random tokens
+// the step ends with the trainer's one host read of loss, gradient norm and (NSA) every
+// layer's gate statistics (--gate-stats 0 leaves those out, as before 2026-11-23's seventh
+// session). Random tokens
 // already on the GPU (data loading is not measured) are copied into the step's input, a
 // warm-up, then the median of timed steps with CUDA synchronisation around each step.
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
-//               [--win-fwd auto|flash|tiled]
+//               [--win-fwd auto|flash|tiled] [--gate-stats 0]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -38,6 +40,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -124,6 +127,7 @@ struct Options {
   // backend is CUDA) or LibTorch's float32 cross_entropy (--fused-loss 0, the path before).
   bool fused_loss = true;
   AttentionBackend loss_backend = AttentionBackend::kCuda;
+  bool gate_stats = true;  // NSA steps end with the gate statistics, as the trainer's do
 };
 
 struct Result {
@@ -241,8 +245,13 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     const auto norm = optimizer.ClipGradNorm(optim.grad_clip);
     mark();
     optimizer.Step(nsad::AdamW::NonFiniteFlag(loss_value, norm));
+    std::vector<torch::Tensor> parts = {loss_value.reshape({1}), norm.to(torch::kFloat64).reshape({1})};
+    if constexpr (std::is_same_v<Model, nsad::NsaTransformer>) {
+      // The trainer's readout also carries every layer's gate statistics (GetGates).
+      if (opt.gate_stats) parts.push_back(model->last_gate_stats_tensor().to(torch::kFloat64).flatten());
+    }
     mark();
-    return torch::stack({loss_value, norm.to(torch::kFloat64)});
+    return torch::cat(parts);
   };
   // The previous trainer step, for comparison: per-tensor LibTorch AdamW and
   // clip_grad_norm_ (with its .item()), one optimizer over the same two groups.
@@ -375,6 +384,8 @@ int main(int argc, char** argv) {
       opt.breakdown = value != "0";
     } else if (flag == "--fused-loss") {
       opt.fused_loss = value != "0";
+    } else if (flag == "--gate-stats") {
+      opt.gate_stats = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
     } else if (flag == "--win-fwd") {
