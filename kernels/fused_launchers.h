@@ -1,5 +1,5 @@
 // Host-side entry points of the fused elementwise kernels of the attention module
-// (kernels/rope.cu, kernels/gate_mix.cu), the block (kernels/swiglu.cu,
+// (kernels/rope.cu, kernels/gate_mix.cu, kernels/gate_stats.cu), the block (kernels/swiglu.cu,
 // kernels/add_rms_norm.cu) and the loss (kernels/cross_entropy.cu),
 // called by the autograd functions in fused_ops.cc. Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
 // float32 and every output is rounded once to the input type.
@@ -67,5 +67,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     const at::Tensor& ds_in, const at::Tensor& dh, const at::Tensor& s, const at::Tensor& rstd,
     const at::Tensor& weight);
+
+// Gate statistics of one layer (kernels/gate_stats.cu): gates [B,T,H,3] (bf16, fp16 or fp32)
+// and block_idx [B,T,G,n] (int32 or int64, -1 = no block) -> float32 [7]: the mean of each
+// branch's gate, their population standard deviations, and the mean count of entries >= 0
+// per (b, t, group).
+at::Tensor GateStats(const at::Tensor& gates, const at::Tensor& block_idx);
 
 }  // namespace nsad::nsa::cuda::detail

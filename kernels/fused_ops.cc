@@ -148,6 +148,11 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const
 
 torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
 
+torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {
+  torch::NoGradGuard no_grad;
+  return detail::GateStats(gates.detach(), block_idx.detach());
+}
+
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                            int64_t ignore_index) {
   TORCH_CHECK(logits.dim() == 2, "cross-entropy takes logits [N, V], got ", logits.sizes());

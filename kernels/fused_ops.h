@@ -50,4 +50,9 @@ torch::Tensor SwiGlu(const torch::Tensor& joint);
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                            int64_t ignore_index = -100);
 
+// The layer's gate statistics as the trainer reports them: gates [B,T,H,3], block_idx
+// [B,T,G,n] (-1 = no block) -> float32 [7] = mean of each branch's gate, their population
+// standard deviations, mean selected blocks per (position, group). Not differentiable.
+torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx);
+
 }  // namespace nsad::nsa::cuda

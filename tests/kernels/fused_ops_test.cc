@@ -197,6 +197,32 @@ TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
   }
 }
 
+// The per-layer gate statistics (3 means, 3 population stddevs, mean selected blocks per
+// (position, group)) from the one-pass kernel against the same LibTorch ops the reference
+// backend runs (nsa/dispatch.cc), on the CPU in float64, for int32 and int64 indices with a share of -1 (no block); constant gates must
+// give a standard deviation of exactly 0, not NaN.
+TEST_P(FusedOpsTest, GateStatisticsMatchTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t G = 2, n = 5;
+  const auto gates = torch::sigmoid(2 * torch::randn({c.B, c.T, c.H, 3}, Opts()));
+  for (const auto index_type : {torch::kInt, torch::kLong}) {
+    const auto idx = torch::randint(-1, 9, {c.B, c.T, G, n}, Opts().dtype(index_type));
+    const auto got = cuda::GateStats(gates, idx);
+    const auto flat64 = gates.cpu().to(torch::kDouble).reshape({-1, 3});
+    const auto want = torch::cat({flat64.mean(0), flat64.std(0, /*unbiased=*/false),
+                                  (idx.cpu() >= 0).sum(-1).to(torch::kDouble).mean().view({1})});
+    ASSERT_EQ(got.scalar_type(), torch::kFloat);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    const auto diff = (got.cpu().to(torch::kDouble) - want).abs().max().item<double>();
+    EXPECT_LT(diff, 1e-5) << "got " << got.cpu() << "\nwant " << want;
+  }
+  const auto flat = torch::full({c.B, c.T, c.H, 3}, 0.375, Opts());
+  const auto none = torch::full({c.B, c.T, G, n}, -1, Opts().dtype(torch::kInt));
+  const auto constant = cuda::GateStats(flat, none).cpu();
+  const auto expected = torch::tensor({0.375f, 0.375f, 0.375f, 0.f, 0.f, 0.f, 0.f});
+  EXPECT_TRUE(torch::equal(constant, expected)) << constant;
+}
+
 // The joint [gate | up] projection through the fused SwiGLU and through float32 LibTorch:
 // output and the joint gradient. F = H*D takes the 16-byte path, F = H*D - 3 the one-element
 // path.

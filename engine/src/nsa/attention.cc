@@ -152,12 +152,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
 torch::Tensor NsaAttentionImpl::last_stats_tensor() const {
   if (!last_gates_.defined()) return {};
-  torch::NoGradGuard no_grad;
-  const auto flat = last_gates_.to(torch::kFloat).reshape({-1, 3});
-  const auto mean = flat.mean(0);
-  const auto stddev = flat.std(0, /*unbiased=*/false);
-  const auto selected = (last_block_idx_ >= 0).sum(-1).to(torch::kFloat).mean().view({1});
-  return torch::cat({mean, stddev, selected});
+  return GateStats(backend_, last_gates_, last_block_idx_);
 }
 
 LayerGateStats NsaAttentionImpl::StatsFromValues(int layer, const double* v) {

@@ -160,6 +160,25 @@ torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& lo
   return torch::nn::functional::cross_entropy(logits.to(torch::kFloat32), targets);
 }
 
+torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
+                        const torch::Tensor& block_idx) {
+  torch::NoGradGuard no_grad;
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(gates) && block_idx.is_cuda() &&
+      (block_idx.scalar_type() == torch::kInt || block_idx.scalar_type() == torch::kLong)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::GateStats(gates, block_idx);
+  }
+#else
+  UseCuda(backend);
+#endif
+  const auto flat = gates.to(torch::kFloat).reshape({-1, 3});
+  const auto mean = flat.mean(0);
+  const auto stddev = flat.std(0, /*unbiased=*/false);
+  const auto selected = (block_idx >= 0).sum(-1).to(torch::kFloat).mean().view({1});
+  return torch::cat({mean, stddev, selected});
+}
+
 int64_t FusedCallsExecuted() { return fused_calls.load(); }
 
 int64_t LayersExecuted(AttentionBackend backend) {

@@ -58,8 +58,14 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // back in the logits' dtype.
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
                                const torch::Tensor& targets);
-// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / CrossEntropyLoss
-// on the kernels) this process
+// One layer's gate statistics: gates [B,T,H,3], block_idx [B,T,G,n] (-1 = no block) ->
+// float32 [7] = the mean of each branch's gate, their population standard deviations and
+// the mean number of selected blocks per (position, group). The fused path is one pass
+// (kernels/gate_stats.cu) instead of eight LibTorch ops.
+torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
+                        const torch::Tensor& block_idx);
+// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / CrossEntropyLoss /
+// GateStats on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 
