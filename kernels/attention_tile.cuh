@@ -42,7 +42,8 @@ __device__ __forceinline__ float WarpMax(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-__device__ __forceinline__ float WarpSum(float v) {
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }

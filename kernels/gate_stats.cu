@@ -18,7 +18,7 @@ namespace {
 constexpr int kSums = 7;
 
 __device__ __forceinline__ double BlockSum(double v, double* scratch) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+  v = WarpSum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();  // scratch may still be read from the previous call
   if (lane == 0) scratch[warp] = v;
@@ -58,7 +58,6 @@ __global__ void __launch_bounds__(kThreads)
 // out (float32 [7]): mean g0..g2, std g0..g2, mean selected blocks per (position, group).
 __global__ void GateStatsFinishKernel(const double* __restrict__ sums, double rows,
                                       double positions, float* __restrict__ out) {
-  if (threadIdx.x != 0) return;
   for (int b = 0; b < 3; ++b) {
     const double mean = rows > 0 ? sums[b] / rows : 0.0;
     const double var = rows > 0 ? sums[3 + b] / rows - mean * mean : 0.0;
@@ -90,7 +89,7 @@ at::Tensor GateStats(const at::Tensor& gates, const at::Tensor& block_idx) {
              idx.data_ptr<index_t>(), idx.numel(), sums.data_ptr<double>());
     });
   });
-  GateStatsFinishKernel<<<1, 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+  GateStatsFinishKernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
       sums.data_ptr<double>(), static_cast<double>(rows), static_cast<double>(positions),
       out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

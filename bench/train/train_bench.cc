@@ -40,13 +40,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <chrono>
 #include <cstdio>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "model/rms_norm.h"
