@@ -15,6 +15,7 @@ namespace nsad::bench {
 using SelectedChoice = nsa::cuda::detail::SelectedKernelChoice;
 using WindowChoice = nsa::cuda::detail::WindowKernelChoice;
 using CompressedChoice = nsa::cuda::detail::CompressedKernelChoice;
+using TiledChoice = nsa::cuda::detail::TiledForwardChoice;
 
 constexpr std::pair<const char*, SelectedChoice::Fwd> kSlcFwdNames[] = {
     {"auto", SelectedChoice::Fwd::kAuto},   {"rows", SelectedChoice::Fwd::kRows},
@@ -33,6 +34,8 @@ constexpr std::pair<const char*, SelectedChoice::Order> kSlcOrderNames[] = {
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};
+constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
+    {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
     {"auto", CompressedChoice::Path::kAuto}, {"own", CompressedChoice::Path::kOwn},
     {"registers", CompressedChoice::Path::kRegisters},

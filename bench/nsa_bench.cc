@@ -6,6 +6,7 @@
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
 //             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
+//             [--tiled-mma auto|sync|wgmma]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -18,7 +19,9 @@
 // in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
 // kernels at every length, our register-only kernels, or cuDNN over packed query rows
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
-// FlashAttention-2 instead of the tiled kernel (WindowKernelChoice). The default is the
+// FlashAttention-2 instead of the tiled kernel (WindowKernelChoice); --tiled-mma sync|wgmma
+// runs the tiled forward (the selected branch's and the window's) on mma.sync or on
+// warpgroup MMAs (TiledForwardChoice). The default is the
 // dispatch training uses. Choices print first.
 //
 // bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of
@@ -63,9 +66,11 @@ namespace nsa_cuda = nsad::nsa::cuda;
 using Choice = nsad::bench::SelectedChoice;
 using WinChoice = nsad::bench::WindowChoice;
 using CmpChoice = nsad::bench::CompressedChoice;
+using TiledChoice = nsad::bench::TiledChoice;
 using nsad::bench::ParseChoiceFlag;
 using nsad::bench::NameOf;
 using nsad::bench::kCmpNames;
+using nsad::bench::kTiledMmaNames;
 using nsad::bench::kSlcDkDvNames;
 using nsad::bench::kSlcDqNames;
 using nsad::bench::kSlcFwdNames;
@@ -246,6 +251,7 @@ int main(int argc, char** argv) {
   Choice choice;
   CmpChoice cmp_choice;
   WinChoice win_choice;
+  TiledChoice tiled_choice;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--seqs") seqs = ParseList(argv[i + 1]);
@@ -268,6 +274,8 @@ int main(int argc, char** argv) {
       if (!ParseChoiceFlag("--cmp-kernel", kCmpNames, argv[i + 1], cmp_choice.path)) return 2;
     } else if (a == "--win-fwd") {
       if (!ParseChoiceFlag("--win-fwd", kWinFwdNames, argv[i + 1], win_choice.forward)) return 2;
+    } else if (a == "--tiled-mma") {
+      if (!ParseChoiceFlag("--tiled-mma", kTiledMmaNames, argv[i + 1], tiled_choice.mma)) return 2;
     }
     else if (a == "--slc-fwd") {
       if (!ParseChoiceFlag("--slc-fwd", kSlcFwdNames, argv[i + 1], choice.fwd)) return 2;
@@ -303,6 +311,8 @@ int main(int argc, char** argv) {
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
   nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
   std::printf("# window forward: %s\n", NameOf(kWinFwdNames, win_choice.forward));
+  nsad::nsa::cuda::detail::SetTiledForwardChoiceForTesting(tiled_choice);
+  std::printf("# tiled forward's MMAs: %s\n", NameOf(kTiledMmaNames, tiled_choice.mma));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed
   const Ceilings ceilings = MeasureCeilings(warmup, std::max(reps, 5));
   std::printf("# ceilings on this GPU: copy %.0f GB/s (read + write), bf16 matmul %.0f TFLOP/s\n",

@@ -1,8 +1,9 @@
 // Which selected-attention (kernels/selected_attention.cu), compressed-attention
-// (kernels/compressed_attention.cu) and window-forward (kernels/window_attention.cu) kernels
-// run: process-wide choices for tests and benchmarks only. kernels_test forces every path on
-// every shape; nsa_bench --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel /
-// --win-fwd compares them in one binary (train_bench: --slc-fwd / --slc-dq / --win-fwd).
+// (kernels/compressed_attention.cu), window-forward (kernels/window_attention.cu) and
+// tiled-forward (kernels/smem_fwd_tile.cuh) kernels run: process-wide choices for tests and
+// benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
+// --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel / --win-fwd / --tiled-mma compares them in
+// one binary (train_bench: --slc-fwd / --slc-dq / --win-fwd / --tiled-mma).
 // Nothing else sets them, so training runs the default: everything kAuto, the dispatch
 // measured in docs/PERFORMANCE.md. There is no environment switch: a forced choice is
 // visible in the code that sets it.
@@ -85,6 +86,21 @@ struct WindowKernelChoice {
 void SetWindowKernelChoiceForTesting(const WindowKernelChoice& choice);
 WindowKernelChoice GetWindowKernelChoice();
 
+// The matrix instructions of the tiled forward (smem_fwd_tile.cuh), which runs the selected
+// branch's tiled forward and the sliding-window forward: kWgmma the warpgroup MMAs of
+// TiledFwdWgmmaKernel (sm_90a, bf16/fp16, head_dim 64), kSync mma.sync (TiledFwdKernel, the
+// path before). kAuto takes kWgmma wherever it can run.
+struct TiledForwardChoice {
+  enum class Mma { kAuto, kSync, kWgmma };
+  Mma mma = Mma::kAuto;
+};
+
+void SetTiledForwardChoiceForTesting(const TiledForwardChoice& choice);
+TiledForwardChoice GetTiledForwardChoice();
+// Whether the current device can run the warpgroup-MMA kernels (an sm_90 device, kernels
+// built for sm_90a): where not, kWgmma fails every call it would apply to.
+bool WgmmaRunsHere();
+
 // Forces a choice for its lifetime and restores the previous one, also when a test
 // assertion returns early.
 template <typename Choice, Choice (*Get)(), void (*Set)(const Choice&)>
@@ -107,5 +123,7 @@ using ScopedCompressedKernelChoice =
                        &SetCompressedKernelChoiceForTesting>;
 using ScopedWindowKernelChoice =
     ScopedKernelChoice<WindowKernelChoice, &GetWindowKernelChoice, &SetWindowKernelChoiceForTesting>;
+using ScopedTiledForwardChoice =
+    ScopedKernelChoice<TiledForwardChoice, &GetTiledForwardChoice, &SetTiledForwardChoiceForTesting>;
 
 }  // namespace nsad::nsa::cuda::detail

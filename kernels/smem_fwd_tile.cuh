@@ -17,7 +17,9 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernel_choice.h"
 #include "mma_tile.cuh"
+#include "wgmma.cuh"
 
 namespace nsad::nsa::cuda::detail::smem_fwd {
 
@@ -241,8 +243,125 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
   Finish<kBf16, D, kM>(st, out, lse, lr.index, lr.valid, lane);
 }
 
-// Launches TiledFwdKernel over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32
-// in log2 units (+inf for a row that saw no key).
+// ---------------------------------------------------------------------------------------
+// The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64): two warpgroups of
+// 64 rows each, so a CTA still owns kRows = 128 rows and walks the same blocks. Row r of the
+// CTA is warp r / 16's row (LaneRows<1> with the CTA's warp index): warpgroup r / 64, its
+// m16 tile (r % 64) / 16. Per block, each warpgroup
+//   S = Q K^T    four m64n64k16 steps, Q's A fragments in registers, K read by the tensor
+//                cores from the staged tile (K-major);
+//   softmax      the mma.sync kernels' online softmax on S's fragments (same layout);
+//   O += P V     four steps, P packed from S in registers, V read from the staged tile
+//                MN-major (the instruction transposes it).
+// The copies stay cp.async (double buffered, as above), fenced for the tensor cores' reads.
+// The four warps of a warpgroup issue each MMA together, so a warpgroup with no valid row
+// skips the products as a whole; one with some valid rows computes the invalid ones on Q = 0.
+// Whether the tiled forward of q runs TiledFwdWgmmaKernel (TiledForwardChoice,
+// kernel_choice.h): forced, or by default wherever it can run (bf16/fp16, head_dim 64, an
+// sm_90 device, kernels built for sm_90a). A forced choice that cannot run fails the call.
+bool UseTiledWgmma(const at::Tensor& q);
+
+struct TiledWgmmaCfg {
+  static constexpr int kD = 64;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = kWarpgroups * wgmma::kWarpgroupThreads;
+  static constexpr int kRows = 64 * kWarpgroups;  // 128, as TiledCfg's
+  static constexpr int kN = 64;
+  static constexpr int kTileBytes = kN * kD * 2;     // 8 KB: a multiple of the swizzle's 1 KB
+  static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
+  // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB.
+  static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
+  static_assert(kRows == TiledCfg<64>::kRows, "one walk, one CTA row count for both kernels");
+};
+
+template <typename scalar_t, typename Walk>
+__global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
+    TiledFwdWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                        const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse, Shape s,
+                        Walk walk, int positions_per_cta, float scale_log2) {
+  using Cfg = TiledWgmmaCfg;
+  constexpr int D = Cfg::kD, kN = Cfg::kN;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 tiled_smem[];  // [slack][2 stages][K tile, V tile], then the walk's data
+  const uint32_t raw_base = mma::SmemAddr(tiled_smem);
+  const uint32_t smem_base = (raw_base + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
+  unsigned char* const walk_smem =
+      reinterpret_cast<unsigned char*>(tiled_smem) + (smem_base - raw_base) + 2 * Cfg::kStageBytes;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hq = s.hq();
+  const int t0 = static_cast<int>(blockIdx.x) * positions_per_cta;
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
+  const bool active = 64 * (warp / 4) < rows;  // warpgroup-uniform
+  walk.Prepare(walk_smem, s, b, grp, t0, positions);
+
+  const LaneRows<1> lr(s, b, grp, t0, rows, warp, lane);
+  uint32_t qf[1][D / 16][4];
+  LoadRowFragments<D, 1>(qf, q, lr.index, lr.valid, lane);
+  State<D, 1> st;
+  st.Init();
+
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const auto stage = [&](int blk, int buf) {
+    const int key0 = walk.Start(blk), count = walk.Count(s, blk);
+    const uint32_t dst = smem_base + buf * Cfg::kStageBytes;
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
+    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst + Cfg::kTileBytes, v + KeyOffset(s, b, key0, grp), kv_stride,
+                                              count);
+  };
+
+  int blk = walk.First();
+  if (blk >= 0) stage(blk, 0);
+  mma::CpAsyncCommit();
+  for (int it = 0; blk >= 0; ++it) {
+    const int nxt = walk.Next(blk + 1);
+    mma::CpAsyncWaitAll();
+    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
+    __syncthreads();           // this block landed for everyone; every MMA on the other buffer is done
+    if (nxt >= 0) stage(nxt, (it + 1) & 1);
+    mma::CpAsyncCommit();
+    if (active) {
+      const uint32_t kbuf = smem_base + (it & 1) * Cfg::kStageBytes, vbuf = kbuf + Cfg::kTileBytes;
+      const int key0 = walk.Start(blk), count = walk.Count(s, blk);
+      const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
+      float sc[kN / 8][4];
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+      wgmma::FenceRegisters(sc);
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::KMajorTileStep(kbuf, kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(sc);
+      mma::OnlineSoftmax<D, kN>(
+          sc, st.o[0], st.m[0], st.l[0], scale_log2,
+          [&](int h, int key) {
+            return key < count && (every_row || walk.Sees(blk, lr.pos[0][h], t0 + lr.pos[0][h], key0 + key));
+          },
+          lane);
+      uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+      wgmma::FenceRegisters(st.o[0]);
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::MnMajorTileStep(vbuf, kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(st.o[0]);
+    }
+    blk = nxt;
+  }
+  Finish<kBf16, D, 1>(st, out, lse, lr.index, lr.valid, lane);
+}
+
+// Launches the tiled forward (TiledFwdKernel, or TiledFwdWgmmaKernel where UseTiledWgmma
+// says so) over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32 in log2 units
+// (+inf for a row that saw no key).
 template <typename scalar_t, int D, typename Walk>
 void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const Shape& s, const Walk& walk, int walk_smem_bytes) {
@@ -251,16 +370,25 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int per_cta = Cfg::PositionsPerCta(s.hq());
   const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  const int smem = 2 * Cfg::kStageBytes + walk_smem_bytes;
-  const auto kernel = TiledFwdKernel<scalar_t, D, Walk>;
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
-  kernel<<<grid, Cfg::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-      lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto launch = [&](auto kernel, int threads, int smem) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
+    kernel<<<grid, threads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const bool wgmma = UseTiledWgmma(q);  // true only at D = 64
+  if constexpr (D == TiledWgmmaCfg::kD) {
+    if (wgmma) {
+      using W = TiledWgmmaCfg;
+      return launch(TiledFwdWgmmaKernel<scalar_t, Walk>, W::kThreads,
+                    W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes);
+    }
+  }
+  launch(TiledFwdKernel<scalar_t, D, Walk>, Cfg::kThreads, 2 * Cfg::kStageBytes + walk_smem_bytes);
 }
 
 }  // namespace nsad::nsa::cuda::detail::smem_fwd

@@ -14,7 +14,7 @@
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
-//               [--win-fwd auto|flash|tiled] [--gate-stats 0]
+//               [--win-fwd auto|flash|tiled] [--tiled-mma auto|sync|wgmma] [--gate-stats 0]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -28,8 +28,9 @@
 // --slc-dq / --slc-fwd force where the selected branch's dQ comes from (the query-side
 // kernel or fused into the dK/dV kernel) and its forward kernel (kernels/kernel_choice.h),
 // for A/B runs of the training step in one invocation, and --win-fwd the window branch's
-// forward (the tiled kernel or FlashAttention-2's); auto (the default) is the dispatch
-// training uses.
+// forward (the tiled kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
+// instructions (mma.sync or warpgroup MMAs); auto (the default) is the dispatch training
+// uses.
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
 // plus the op count per step and any op that copies to the host (a sync).
@@ -396,6 +397,16 @@ int main(int argc, char** argv) {
       std::printf("# window forward: %s\n", value.c_str());
 #else
       std::fprintf(stderr, "--win-fwd needs the CUDA kernels (this build has none)\n");
+      return 2;
+#endif
+    } else if (flag == "--tiled-mma") {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+      nsad::nsa::cuda::detail::TiledForwardChoice choice;
+      if (!nsad::bench::ParseChoiceFlag("--tiled-mma", nsad::bench::kTiledMmaNames, value, choice.mma)) return 2;
+      nsad::nsa::cuda::detail::SetTiledForwardChoiceForTesting(choice);
+      std::printf("# tiled forward's MMAs: %s\n", value.c_str());
+#else
+      std::fprintf(stderr, "--tiled-mma needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
     } else if (flag == "--slc-dq" || flag == "--slc-fwd") {

@@ -610,6 +610,67 @@ TEST_P(KernelsTest, SlidingWindowRejectsATiledForwardItCannotRun) {
   EXPECT_THROW(cuda::SlidingWindowAttention(q, kv, kv, geo_), c10::Error);
 }
 
+// The tiled forward (the selected branch's kTiled forward and the window forward) on each
+// kind of matrix instruction it has: mma.sync, and at head_dim 64 on an sm_90 device the
+// warpgroup MMAs, which the default takes there (so the other tests run them too).
+TEST_P(KernelsTest, TiledForwardOnEachMmaKind) {
+  using Mma = cuda::detail::TiledForwardChoice::Mma;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
+  for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
+    if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    SCOPED_TRACE(mma == Mma::kSync ? "mma.sync" : "wgmma");
+    const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
+    {
+      cuda::detail::SelectedKernelChoice tiled;
+      tiled.fwd = cuda::detail::SelectedKernelChoice::Fwd::kTiled;
+      const cuda::detail::ScopedSelectedKernelChoice force(tiled);
+      CheckSelectedAttention();
+    }
+    const cuda::detail::ScopedWindowKernelChoice force({cuda::detail::WindowKernelChoice::Forward::kTiled});
+    CheckSlidingWindow();
+  }
+}
+
+// A window of one key makes each row's softmax that key alone: the output is exactly the
+// value row of its own position (P = 1), whatever the scores, and the log-sum-exp is the one
+// score. So the two products of the tiled forward are checked apart: O = P V (for the
+// warpgroup MMAs, V read transposed from shared memory) by the output, S = Q K^T (K read as
+// it is staged) by the log-sum-exp.
+TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
+  using Mma = cuda::detail::TiledForwardChoice::Mma;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const int64_t hq = c.H / c.G;
+  const auto own_v = v.repeat_interleave(hq, 2), own_k = k.repeat_interleave(hq, 2);
+  const double scale_log2 = 1.0 / std::sqrt(static_cast<double>(c.D)) / std::log(2.0);
+  const auto score = (q.to(torch::kDouble) * own_k.to(torch::kDouble)).sum(-1) * scale_log2;
+  for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
+    if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    SCOPED_TRACE(mma == Mma::kSync ? "mma.sync" : "wgmma");
+    const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
+    Poison();
+    const auto [out, lse] = cuda::detail::WindowForward(q, k, v, 1);
+    EXPECT_TRUE(torch::equal(out, own_v)) << "max |out - v| "
+                                          << (out.to(torch::kFloat) - own_v.to(torch::kFloat)).abs().max().item<float>();
+    ExpectClose(lse, score, "lse");
+  }
+}
+
+// The warpgroup-MMA tiled forward is a head_dim-64 kernel: forcing it elsewhere fails the
+// call instead of running mma.sync.
+TEST_P(KernelsTest, TiledForwardRejectsWgmmaItCannotRun) {
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat || c.D == 64) GTEST_SKIP() << "bf16/fp16 at head_dim 128 only";
+  const cuda::detail::ScopedTiledForwardChoice force({cuda::detail::TiledForwardChoice::Mma::kWgmma});
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  EXPECT_THROW(cuda::detail::WindowForward(q, kv, kv, 8), c10::Error);
+}
+
 void KernelsTest::CheckSlidingWindow() {
   const Case c = GetParam();
   auto q = Random({kBatch, c.T, c.H, c.D});

@@ -1,0 +1,43 @@
+// Host side of the tiled forward's kernel choice (smem_fwd_tile.cuh): mma.sync or warpgroup
+// MMAs.
+#include <ATen/cuda/CUDAContext.h>
+
+#include <atomic>
+
+#include "kernel_choice.h"
+#include "smem_fwd_tile.cuh"
+
+namespace nsad::nsa::cuda::detail {
+namespace {
+
+std::atomic<TiledForwardChoice::Mma> tiled_choice{TiledForwardChoice::Mma::kAuto};
+
+}  // namespace
+
+// The warpgroup MMAs exist on sm_90 devices in sm_90a builds only (NSAD_CUDA_ARCHS).
+bool WgmmaRunsHere() {
+#if defined(NSAD_BUILT_FOR_SM90A)
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  return false;
+#endif
+}
+
+void SetTiledForwardChoiceForTesting(const TiledForwardChoice& choice) { tiled_choice = choice.mma; }
+TiledForwardChoice GetTiledForwardChoice() { return {tiled_choice.load()}; }
+
+namespace smem_fwd {
+
+bool UseTiledWgmma(const at::Tensor& q) {
+  const auto mma = tiled_choice.load();
+  if (mma == TiledForwardChoice::Mma::kSync) return false;
+  const bool applies = q.scalar_type() != at::kFloat && q.size(3) == TiledWgmmaCfg::kD && WgmmaRunsHere();
+  TORCH_CHECK(mma != TiledForwardChoice::Mma::kWgmma || applies,
+              "TiledForwardChoice: the warpgroup-MMA tiled forward takes bf16/fp16 with head_dim 64 on an sm_90 "
+              "device (kernels built for sm_90a)");
+  return applies;
+}
+
+}  // namespace smem_fwd
+}  // namespace nsad::nsa::cuda::detail
