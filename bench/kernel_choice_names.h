@@ -24,7 +24,7 @@ constexpr std::pair<const char*, SelectedChoice::Fwd> kSlcFwdNames[] = {
 constexpr std::pair<const char*, SelectedChoice::DkDv> kSlcDkDvNames[] = {
     {"auto", SelectedChoice::DkDv::kAuto},             {"staged16x3", SelectedChoice::DkDv::kStaged16x3},
     {"staged32x1", SelectedChoice::DkDv::kStaged32x1}, {"staged32x3", SelectedChoice::DkDv::kStaged32x3},
-    {"unstaged", SelectedChoice::DkDv::kUnstaged}};
+    {"unstaged", SelectedChoice::DkDv::kUnstaged},     {"wgmma", SelectedChoice::DkDv::kWgmma}};
 constexpr std::pair<const char*, SelectedChoice::Dq> kSlcDqNames[] = {
     {"auto", SelectedChoice::Dq::kAuto}, {"query", SelectedChoice::Dq::kQuerySide},
     {"fused", SelectedChoice::Dq::kFused}};

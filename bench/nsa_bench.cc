@@ -4,7 +4,7 @@
 //
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
-//             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged]
+//             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
 //             [--tiled-mma auto|sync|wgmma]
 //

@@ -26,9 +26,11 @@ struct SelectedKernelChoice {
   // follows the auto rule). fp32 inputs have one scalar kernel and take kAuto only.
   enum class Fwd { kAuto, kRows, kHeads, kTiled, kBlocks };
   // dK/dV on tensor cores: the staged kernel in one of its D=64 register budgets (rows per
-  // step x CTAs per SM; kAuto picks 32x3 at D=64 and the single D=128 build, 16x1), or the
-  // unstaged mma::DkDvMmaKernel (any D). fp32 inputs take kAuto only.
-  enum class DkDv { kAuto, kStaged16x3, kStaged32x1, kStaged32x3, kUnstaged };
+  // step x CTAs per SM; the single D=128 build is 16x1), the same work on warpgroup MMAs
+  // (kWgmma: D=64, an sm_90 device, kernels built for sm_90a; selected_dkdv_wgmma.cuh), or
+  // the unstaged mma::DkDvMmaKernel (any D). kAuto at D=64 takes kWgmma where it runs, else
+  // 32x3. fp32 inputs take kAuto only.
+  enum class DkDv { kAuto, kStaged16x3, kStaged32x1, kStaged32x3, kUnstaged, kWgmma };
 
   // Where dQ comes from: the query-side kernel of Fwd (kQuerySide), or the staged dK/dV
   // kernel, which has dS in registers already and adds dS K into a float32 buffer (kFused;

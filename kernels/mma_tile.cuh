@@ -185,6 +185,12 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
                "r"(valid ? 16 : 0)
                : "memory");
 }
+// Copies 4 bytes, or writes 4 zero bytes when !valid. Through L1 (.ca): cp.async.cg takes
+// 16 bytes only.
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(valid ? 4 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.

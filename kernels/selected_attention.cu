@@ -42,6 +42,7 @@
 #include "mma_tile.cuh"
 #include "smem_fwd_tile.cuh"
 #include "selected_block_forward.cuh"
+#include "selected_dkdv_wgmma.cuh"
 #include "kernel_choice.h"
 
 namespace nsad::nsa::cuda::detail {
@@ -65,8 +66,8 @@ namespace {
 
 constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
 constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
-// The staged dK/dV build the auto choice takes at D=64, with and without fused dQ (see
-// LaunchSelectedDkDv; measured on H100, PERFORMANCE.md).
+// The staged dK/dV build the auto choice takes at D=64 where the warpgroup-MMA kernel cannot
+// run, with and without fused dQ (see LaunchSelectedDkDv; measured on H100, PERFORMANCE.md).
 constexpr SelectedKernelChoice::DkDv kDefaultDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;
 
 using Choice = SelectedKernelChoice;
@@ -87,8 +88,11 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   TORCH_CHECK(c.fwd != Choice::Fwd::kRows || n <= 32,
               "SelectedKernelChoice: the rows kernel needs top_n <= 32, got ", n);
   TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
-              "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
+              "SelectedKernelChoice: the staged and warpgroup-MMA dK/dV kernels are D=64 builds; D=", s.D,
               " takes kAuto or kUnstaged");
+  TORCH_CHECK(c.dkdv != Choice::DkDv::kWgmma || WgmmaRunsHere(),
+              "SelectedKernelChoice: the warpgroup-MMA dK/dV kernel needs an sm_90 device and kernels built for "
+              "sm_90a");
   if (c.dq == Choice::Dq::kFused) {
     TORCH_CHECK(q.scalar_type() != at::kFloat, "SelectedKernelChoice: fused dQ is a tensor-core kernel; fp32 "
                 "inputs run the scalar kernels");
@@ -538,13 +542,7 @@ void LaunchSelectedBlockForward(const at::Tensor& q, const at::Tensor& k, const 
 // per step for lse/delta, at 8 warps per SM). The P dO and dS Q products also take their
 // B operands from those tiles (PRTileShared, ldmatrix.trans) rather than transposing rows
 // held in registers, so dK/dV come out in natural column order (mma::AtomicAddRowColumns).
-// 4-byte copies (lse, delta) go through L1 (.ca: cp.async.cg takes 16 bytes only); the rows
-// use mma::CpAsync16.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool pred) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(pred ? 4 : 0)
-               : "memory");
-}
+// 4-byte copies (lse, delta) use mma::CpAsync4; the rows mma::CpAsync16.
 
 // Shared-memory tile rows are D 16-bit elements; 16-byte chunk ch of row r is stored at
 // chunk ch ^ Perm(r % 8), Perm(r) = 4 (r & 1) + (r >> 1) (a bijection on 0..7), which serves
@@ -729,8 +727,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads, kMinCtas)
       const bool ok = rho < total;
       const int t = ok ? pos[rho / hq] : -1;
       const int64_t row = ok ? (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq : 0;
-      CpAsync4(&meta[buf][threadIdx.x].x, lse + row, ok);
-      CpAsync4(&meta[buf][threadIdx.x].y, delta + row, ok);
+      mma::CpAsync4(&meta[buf][threadIdx.x].x, lse + row, ok);
+      mma::CpAsync4(&meta[buf][threadIdx.x].y, delta + row, ok);
       meta[buf][threadIdx.x].z = __int_as_float(t);  // read after the step's barrier
     }
     mma::CpAsyncCommit();
@@ -853,7 +851,10 @@ bool UseFusedDq(const Choice& c, const at::Tensor& q, const Shape& s) {
   return q.scalar_type() != at::kFloat && c.dkdv != Choice::DkDv::kUnstaged && s.hq() < 16;
 }
 
-// The staged kernel's build: a forced choice, else the measured default (D=64: 32 rows per
+// The dK/dV kernel: a forced choice, else at D=64 the warpgroup-MMA kernel wherever it runs
+// (selected_dkdv_wgmma.cuh; measured on H100, selected backward alone with fused dQ, against
+// staged 32x3: B16 T2048 12:2 1.55-1.56 -> 1.23-1.31 ms; one NSA layer at 64k 12:2,
+// forward+backward 15.39 -> 14.51 ms), else the staged kernel's measured build (D=64: 32 rows per
 // step on a 3-CTA-per-SM register budget, 168 registers and 28 bytes of spill, measured 3-17%
 // faster than 2 CTAs per SM on H100, and with fused dQ too: 1.70 ms against 1.86 (16x3) and
 // 1.89 (32x1) at B16 T2048 12:2; D=128: 16 rows, one CTA's budget). Every build has a fused
@@ -867,6 +868,7 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
   using Kernel = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const scalar_t*, const float*,
                           const float*, float*, float*, float*, Shape, SelectedKeyPolicy, float);
   Kernel kernel = nullptr;
+  int threads = mma::kMmaThreads, smem = 0;  // the staged builds' shared memory is static
   if (choice.dkdv == DkDv::kUnstaged) {
     TORCH_CHECK(dq_acc == nullptr, "fused dQ needs a staged dK/dV kernel");  // ChoiceFor rejects it
     mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy><<<kgrid, mma::kMmaThreads, 0,
@@ -878,7 +880,15 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
     return;
   }
   if constexpr (D == 64) {
-    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : kDefaultDkDv64;
+    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : WgmmaRunsHere() ? DkDv::kWgmma : kDefaultDkDv64;
+    if (build == DkDv::kWgmma) {
+      using Cfg = dkdv_wgmma::Cfg<kMaxQueriesPerCta>;
+      kernel = dq_acc ? dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, true, kMaxQueriesPerCta, SelectedKeyPolicy>
+                      : dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, false, kMaxQueriesPerCta, SelectedKeyPolicy>;
+      threads = Cfg::kThreads;
+      smem = Cfg::kBytes;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    }
     const auto pick = [&](auto rows, auto ctas) {
       constexpr int kR = decltype(rows)::value, kC = decltype(ctas)::value;
       if (dq_acc) {
@@ -895,8 +905,8 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
   } else {
     kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 1, false>;
   }
-  TORCH_CHECK(kernel != nullptr, "no staged dK/dV build for this choice");
-  kernel<<<kgrid, mma::kMmaThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  TORCH_CHECK(kernel != nullptr, "no dK/dV build for this choice");
+  kernel<<<kgrid, threads, smem, at::cuda::getCurrentCUDAStream()>>>(
       q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
       lse.data_ptr<float>(), delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(),
       dq_acc ? dq_acc->data_ptr<float>() : nullptr, s, kpol, scale);

@@ -2,8 +2,8 @@
 // instruction, issued by the four warps of a warpgroup together and run asynchronously by
 // the tensor cores, the B operand read straight from shared memory through a descriptor.
 //
-// Only what the kernels use is here: m64n64k16 with A (16-bit) in registers and B in
-// shared memory, float32 accumulators. The register layouts are those of mma.sync
+// Only what the kernels use is here: m64n64k16 with float32 accumulators, A (16-bit) in
+// registers or in shared memory, B in shared memory. The register layouts are those of mma.sync
 // m16n8k16, one m16 tile per warp (warp w of the warpgroup owns rows 16w .. 16w + 15):
 //   A: a0 (row g, k 2c..2c+1), a1 (row g+8, same k), a2 (row g, k 2c+8..), a3 (row g+8, ..)
 //   D: d[j][0..1] (row g, n 8j + 2c..+1), d[j][2..3] (row g+8, same n), j = 0..7
@@ -55,11 +55,11 @@ __device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr, uint32_t lead
   return d;
 }
 
-// B = a staged [64 keys][64] tile read K-major, k16 step kk (S = Q K^T).
+// A or B = a staged [64 rows][64] tile read K-major, k16 step kk (K in S = Q K^T).
 __device__ __forceinline__ uint64_t KMajorTileStep(uint32_t tile, int kk) {
   return Descriptor(tile + 32u * kk, 16u, kSwizzleBytes);
 }
-// B = a staged [64 keys][64] tile read MN-major (transposed), k16 step kk (O = P V).
+// A or B = a staged [64 rows][64] tile read MN-major (transposed), k16 step kk (V in O = P V).
 __device__ __forceinline__ uint64_t MnMajorTileStep(uint32_t tile, int kk) {
   return Descriptor(tile + 2048u * kk, 8u * kSwizzleBytes, kSwizzleBytes);
 }
@@ -123,6 +123,34 @@ __device__ __forceinline__ void MmaM64N64K16(float (&d)[8][4], const uint32_t (&
     NSAD_WGMMA_ASM("f16");
   }
 #undef NSAD_WGMMA_ASM
+#endif
+}
+
+// d += A B for one m64n64k16 step, both operands in shared memory through descriptors, each
+// K-major (false) or MN-major (true, transposed by the instruction). Asynchronous: d is
+// valid after Wait().
+template <bool kBf16, bool kTransA, bool kTransB>
+__device__ __forceinline__ void MmaM64N64K16Smem(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+#if NSAD_WGMMA_AVAILABLE
+#define NSAD_WGMMA_SS_ASM(TYPE)                                                                                \
+  asm volatile(                                                                                                \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                               \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                     \
+      "%32, %33, 1, 1, 1, %34, %35;"                                                                           \
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),             \
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),             \
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),             \
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),             \
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
+        "+f"(d[7][2]), "+f"(d[7][3])                                                                           \
+      : "l"(desc_a), "l"(desc_b), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
+  if constexpr (kBf16) {
+    NSAD_WGMMA_SS_ASM("bf16");
+  } else {
+    NSAD_WGMMA_SS_ASM("f16");
+  }
+#undef NSAD_WGMMA_SS_ASM
 #endif
 }
 

@@ -14,6 +14,7 @@
 //   train_bench [--batches 1,16] [--seq 2048] [--steps 20] [--variants a,b]
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
+//               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //               [--win-fwd auto|flash|tiled] [--tiled-mma auto|sync|wgmma] [--gate-stats 0]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
@@ -25,8 +26,9 @@
 // twice: as the host enqueues it and with a device synchronisation after it. A phase whose
 // two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
 // whose synchronised time is much larger is bound by the GPU.
-// --slc-dq / --slc-fwd force where the selected branch's dQ comes from (the query-side
-// kernel or fused into the dK/dV kernel) and its forward kernel (kernels/kernel_choice.h),
+// --slc-dq / --slc-fwd / --slc-dkdv force where the selected branch's dQ comes from (the
+// query-side kernel or fused into the dK/dV kernel), its forward kernel and its dK/dV kernel
+// (kernels/kernel_choice.h),
 // for A/B runs of the training step in one invocation, and --win-fwd the window branch's
 // forward (the tiled kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
 // instructions (mma.sync or warpgroup MMAs); auto (the default) is the dispatch training
@@ -409,17 +411,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--tiled-mma needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
-    } else if (flag == "--slc-dq" || flag == "--slc-fwd") {
+    } else if (flag == "--slc-dq" || flag == "--slc-fwd" || flag == "--slc-dkdv") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      using nsad::bench::FromName;
+      using nsad::bench::ParseChoiceFlag;
       auto choice = nsad::nsa::cuda::detail::GetSelectedKernelChoice();
-      const bool known = flag == "--slc-dq" ? FromName(nsad::bench::kSlcDqNames, value, choice.dq)
-                                            : FromName(nsad::bench::kSlcFwdNames, value, choice.fwd);
-      if (!known) {
-        std::fprintf(stderr, "--slc-dq takes %s, --slc-fwd %s\n", nsad::bench::Spellings(nsad::bench::kSlcDqNames).c_str(),
-                     nsad::bench::Spellings(nsad::bench::kSlcFwdNames).c_str());
-        return 2;
-      }
+      const bool known = flag == "--slc-dq"    ? ParseChoiceFlag("--slc-dq", nsad::bench::kSlcDqNames, value, choice.dq)
+                         : flag == "--slc-fwd" ? ParseChoiceFlag("--slc-fwd", nsad::bench::kSlcFwdNames, value, choice.fwd)
+                                               : ParseChoiceFlag("--slc-dkdv", nsad::bench::kSlcDkDvNames, value, choice.dkdv);
+      if (!known) return 2;
       nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
       std::printf("# selected kernels: %s %s\n", flag.c_str(), value.c_str());
 #else

@@ -1,0 +1,243 @@
+// Key-centric dK/dV of the selected branch (and, with kFusedDq, dQ) on warpgroup MMAs
+// (sm_90a, bf16/fp16, head_dim 64; SelectedKernelChoice::DkDv::kWgmma), included by
+// selected_attention.cu. The work split is the staged mma.sync kernel's
+// (SelectedDkDvStagedKernel): one CTA per work item of the inverted block map, i.e. one
+// selected block of <= 64 keys and a slice of the entries that chose it, whose (position,
+// head) query rows are gathered kRows at a time into shared memory, the next step's copy in
+// flight while this one computes. What changes is who multiplies. The CTA is one warpgroup,
+// the block's 64 keys are the M of every product but dQ's, and per step of 64 rows:
+//   S^T  = K Q^T     K (staged once) and Q, both K-major from shared memory
+//   dP^T = V dO^T    V and dO, likewise
+//   P^T  = exp2(S^T - lse), dS^T = P^T (dP^T - delta)   on the accumulators (causal mask)
+//   dV  += P^T dO    P^T packed into register A fragments, dO MN-major (transposed)
+//   dK  += dS^T Q    likewise
+//   dQ   = dS K      (kFusedDq) dS^T through shared memory, read as a transposed A; K
+//                    MN-major; each row's 64 columns added into the float32 dq_acc
+// as FlashAttention-3's backward lays out its products. Every tile is a [64][64] 16-bit
+// tile in the 128-byte swizzle that mma::SwizzledOffset writes (wgmma.cuh), so one staged
+// copy serves both orientations. dK/dV stay in registers over the whole slice and are added
+// into float32 buffers once per work item, as before.
+#pragma once
+
+#include <climits>
+#include <type_traits>
+
+#include "attention_tile.cuh"
+#include "mma_tile.cuh"
+#include "wgmma.cuh"
+
+namespace nsad::nsa::cuda::detail::dkdv_wgmma {
+
+// Shared memory from a 1 KB-aligned base (the swizzle's period): the block's K and V tiles,
+// two buffers each of staged Q and dO rows, the dS^T tile, two buffers of per-row metadata
+// (lse, delta, position as float bits), then the item's positions.
+template <int kMaxQueries>
+struct Cfg {
+  static constexpr int kD = 64;
+  static constexpr int kThreads = wgmma::kWarpgroupThreads;
+  static constexpr int kRows = 64;  // query rows per step: the N of S^T and dP^T
+  // 208-212 registers, no spills. A 3-CTA budget (168 registers, 24-68 bytes of spill) was
+  // no faster on H100: selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms against
+  // 1.23-1.31, 64k forward+backward 14.60 against 14.51 ms.
+  static constexpr int kMinCtas = 2;
+  static constexpr int kTileBytes = 64 * kD * 2;  // 8 KB
+  static constexpr int kK = 0, kV = kTileBytes, kQ = 2 * kTileBytes, kDo = 4 * kTileBytes, kDs = 6 * kTileBytes;
+  static constexpr int kMeta = 7 * kTileBytes;
+  static constexpr int kPos = kMeta + 2 * kRows * 16;
+  static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
+  static constexpr int kBytes = kAlignSlack + kPos + 4 * kMaxQueries;
+};
+
+template <typename scalar_t, bool kFusedDq, int kMaxQueries, typename KeyPolicy>
+__global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::kMinCtas)
+    SelectedDkDvWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                            const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ delta,
+                            float* __restrict__ dk_acc, float* __restrict__ dv_acc, float* __restrict__ dq_acc,
+                            Shape s, KeyPolicy pol, float scale) {
+  using C = Cfg<kMaxQueries>;
+  constexpr int D = C::kD, kR = C::kRows, kChunks = D / 8;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 dkdv_smem[];
+  const uint32_t raw = mma::SmemAddr(dkdv_smem);
+  const uint32_t base = (raw + C::kAlignSlack - 1) & ~static_cast<uint32_t>(C::kAlignSlack - 1);
+  unsigned char* const gbase = reinterpret_cast<unsigned char*>(dkdv_smem) + (base - raw);
+  float4* const meta = reinterpret_cast<float4*>(gbase + C::kMeta);  // [2][kR]
+  int* const pos = reinterpret_cast<int*>(gbase + C::kPos);
+
+  const KeyWork w = pol.Work(s);
+  if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  const int hq = s.hq(), total = w.num_queries * hq;  // flattened (position, head) rows
+  for (int i = threadIdx.x; i < w.num_queries; i += C::kThreads) pos[i] = pol.Query(w, i);
+  __syncthreads();
+
+  // The block's keys, rows past its end zero (their products are masked); committed with
+  // the first step's rows.
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  mma::StageTileAsync<D, 64, C::kThreads>(base + C::kK, k + KeyOffset(s, w.b, w.keys.start, w.g), kv_stride,
+                                          w.keys.count);
+  mma::StageTileAsync<D, 64, C::kThreads>(base + C::kV, v + KeyOffset(s, w.b, w.keys.start, w.g), kv_stride,
+                                          w.keys.count);
+  const auto stage = [&](int r0, int buf) {
+#pragma unroll
+    for (int it = 0; it < kR * kChunks / C::kThreads; ++it) {
+      const int e = static_cast<int>(threadIdx.x) + it * C::kThreads;
+      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
+      const bool ok = rho < total;  // rows past the end are zero-filled
+      const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
+      const uint32_t dst = mma::SwizzledOffset<D>(r, ch) + buf * C::kTileBytes;
+      mma::CpAsync16(base + C::kQ + dst, q + off, ok);
+      mma::CpAsync16(base + C::kDo + dst, dout + off, ok);
+    }
+    if (threadIdx.x < kR) {
+      const int rho = r0 + threadIdx.x;
+      const bool ok = rho < total;
+      const int t = ok ? pos[rho / hq] : -1;
+      const int64_t row = ok ? (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq : 0;
+      float4& m = meta[buf * kR + threadIdx.x];
+      mma::CpAsync4(&m.x, lse + row, ok);
+      mma::CpAsync4(&m.y, delta + row, ok);
+      m.z = __int_as_float(t);  // read after the step's barrier
+    }
+    mma::CpAsyncCommit();
+  };
+
+  // This thread's accumulator rows are keys 16 warp + g and + 8 of the block; key <= t is
+  // the whole mask (padding keys never pass it, nor rows past the end, t = -1).
+  const int key_lo = 16 * warp;
+  int key_cut[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int kr = key_lo + g + 8 * half;
+    key_cut[half] = kr < w.keys.count ? w.keys.start + kr : INT_MAX;
+  }
+  const float scale_log2 = scale * kLog2e;
+  const uint32_t ktile = base + C::kK, vtile = base + C::kV, dstile = base + C::kDs;
+  float dk[8][4], dv[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  }
+
+  stage(0, 0);
+  for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
+    mma::StageNextAndWait(r0, kR, total, buf, stage);
+    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
+    __syncthreads();
+    const uint32_t qt = base + C::kQ + buf * C::kTileBytes, dot = base + C::kDo + buf * C::kTileBytes;
+    const float4* m = meta + buf * kR;
+
+    float st[8][4], dpt[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+    }
+    wgmma::FenceRegisters(st);
+    wgmma::FenceRegisters(dpt);
+    wgmma::Fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wgmma::MmaM64N64K16Smem<kBf16, false, false>(st, wgmma::KMajorTileStep(ktile, kk),
+                                                   wgmma::KMajorTileStep(qt, kk));
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      wgmma::MmaM64N64K16Smem<kBf16, false, false>(dpt, wgmma::KMajorTileStep(vtile, kk),
+                                                   wgmma::KMajorTileStep(dot, kk));
+    }
+    wgmma::Commit();
+    wgmma::Wait<0>();
+    wgmma::FenceRegisters(st);
+    wgmma::FenceRegisters(dpt);
+
+    // Accumulator element [j][2 half + e]: key row half, query row 8 j + 2 c + e of the step.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float4 mr = m[8 * j + 2 * (lane & 3) + e];
+        const int t = __float_as_int(mr.z);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float p = key_cut[half] <= t ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
+          st[j][2 * half + e] = p;
+          dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - mr.y);
+        }
+      }
+    }
+    uint32_t pf[4][4], dsf[4][4];  // k16 step kk = query rows 16 kk .. 16 kk + 15
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      mma::PackA<kBf16>(pf[kk], st[2 * kk], st[2 * kk + 1]);
+      mma::PackA<kBf16>(dsf[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+    }
+    wgmma::FenceRegisters(dv);
+    wgmma::FenceRegisters(dk);
+    wgmma::Fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::MmaM64N64K16<kBf16, true>(dv, pf[kk], wgmma::MnMajorTileStep(dot, kk));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::MmaM64N64K16<kBf16, true>(dk, dsf[kk], wgmma::MnMajorTileStep(qt, kk));
+    wgmma::Commit();
+
+    if constexpr (kFusedDq) {
+      // dS^T into its tile while dV and dK run: key row kr holds the step's 64 query rows,
+      // 8 per swizzled 16-byte chunk; dsf[kk][i] is key 16 warp + g + 8 (i & 1), rows
+      // 16 kk + 8 (i >> 1) + 2c and + 1.
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int kr = key_lo + g + 8 * (i & 1), row = 16 * kk + 8 * (i >> 1) + 2 * (lane & 3);
+          *reinterpret_cast<uint32_t*>(gbase + C::kDs + mma::SwizzledOffset<64>(kr, row / 8) + 2 * (row % 8)) =
+              dsf[kk][i];
+        }
+      }
+      wgmma::FenceProxyAsync();
+      __syncthreads();  // the whole dS^T tile is written
+      float dq[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+      }
+      wgmma::FenceRegisters(dq);
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk),
+                                                  wgmma::MnMajorTileStep(ktile, kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(dq);
+      // This thread's dQ rows are the step's rows 16 warp + g and + 8.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = key_lo + g + 8 * h;
+        const int t = __float_as_int(m[row].z);
+        if (t < 0) continue;
+        const int64_t off = QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq);
+        mma::AtomicAddRowColumns<D>(dq_acc + off, dq, h, scale, lane);
+      }
+    } else {
+      wgmma::Wait<0>();
+    }
+    wgmma::FenceRegisters(dv);
+    wgmma::FenceRegisters(dk);
+    __syncthreads();  // every product of this step is done with buf's tiles and the dS^T tile
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int kr = key_lo + g + 8 * half;
+    if (kr >= w.keys.count) continue;
+    const int64_t off = KeyOffset(s, w.b, w.keys.start + kr, w.g);
+    mma::AtomicAddRowColumns<D>(dk_acc + off, dk, half, scale, lane);
+    mma::AtomicAddRowColumns<D>(dv_acc + off, dv, half, 1.f, lane);
+  }
+}
+
+}  // namespace nsad::nsa::cuda::detail::dkdv_wgmma
