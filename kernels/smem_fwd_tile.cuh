@@ -183,6 +183,18 @@ struct TiledCfg {
   static int PositionsPerCta(int hq) { return std::min(kMaxPositions, kRows / hq); }
 };
 
+// Issues the copies of walk block blk's K and V rows of (b, grp) into the stage at smem
+// address dst: the K tile, then the V tile kN D 16-bit elements on (rows past the block's
+// count zero-filled). The caller commits.
+template <int D, int kN, int kCtaThreads, typename scalar_t, typename Walk>
+__device__ __forceinline__ void StageWalkBlock(uint32_t dst, const scalar_t* k, const scalar_t* v, const Shape& s,
+                                               const Walk& walk, int b, int grp, int blk) {
+  const int key0 = walk.Start(blk), count = walk.Count(s, blk);
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  mma::StageTileAsync<D, kN, kCtaThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
+  mma::StageTileAsync<D, kN, kCtaThreads>(dst + kN * D * 2, v + KeyOffset(s, b, key0, grp), kv_stride, count);
+}
+
 template <typename scalar_t, int D, typename Walk>
 __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
     TiledFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
@@ -207,13 +219,8 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
   State<D, kM> st;
   st.Init();
 
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
   const auto stage = [&](int blk, int buf) {
-    const int key0 = walk.Start(blk), count = walk.Count(s, blk);
-    const uint32_t dst = smem_base + buf * Cfg::kStageBytes;
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst + Cfg::kTileBytes, v + KeyOffset(s, b, key0, grp), kv_stride,
-                                              count);
+    StageWalkBlock<D, kN, Cfg::kThreads>(smem_base + buf * Cfg::kStageBytes, k, v, s, walk, b, grp, blk);
   };
 
   int blk = walk.First();
@@ -300,13 +307,8 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
   State<D, 1> st;
   st.Init();
 
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
   const auto stage = [&](int blk, int buf) {
-    const int key0 = walk.Start(blk), count = walk.Count(s, blk);
-    const uint32_t dst = smem_base + buf * Cfg::kStageBytes;
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(dst + Cfg::kTileBytes, v + KeyOffset(s, b, key0, grp), kv_stride,
-                                              count);
+    StageWalkBlock<D, kN, Cfg::kThreads>(smem_base + buf * Cfg::kStageBytes, k, v, s, walk, b, grp, blk);
   };
 
   int blk = walk.First();

@@ -99,6 +99,18 @@ __device__ __forceinline__ void FenceRegisters(float (&r)[N][4]) {
   }
 }
 
+// The 32 float32 accumulators of an m64n64 product as asm operands %0 .. %31, shared by both
+// instruction forms below.
+#define NSAD_WGMMA_ACCUMULATOR_REGS                                         \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define NSAD_WGMMA_ACCUMULATORS(d)                                                                                \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),     \
+      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), \
+      "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), \
+      "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+
 // d += A B for one m64n64k16 step: A the warp's 16 rows (mma.sync A fragment), B through
 // desc, K-major (kTransB false) or MN-major (true). Asynchronous: d is valid after Wait().
 template <bool kBf16, bool kTransB>
@@ -107,15 +119,9 @@ __device__ __forceinline__ void MmaM64N64K16(float (&d)[8][4], const uint32_t (&
 #define NSAD_WGMMA_ASM(TYPE)                                                                                   \
   asm volatile(                                                                                                \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                               \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                     \
+      NSAD_WGMMA_ACCUMULATOR_REGS                                                                              \
       "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;"                                                              \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),             \
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),             \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),             \
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),             \
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-        "+f"(d[7][2]), "+f"(d[7][3])                                                                           \
+      : NSAD_WGMMA_ACCUMULATORS(d)                                                                             \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kTransB ? 1 : 0))
   if constexpr (kBf16) {
     NSAD_WGMMA_ASM("bf16");
@@ -135,15 +141,9 @@ __device__ __forceinline__ void MmaM64N64K16Smem(float (&d)[8][4], uint64_t desc
 #define NSAD_WGMMA_SS_ASM(TYPE)                                                                                \
   asm volatile(                                                                                                \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                               \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                     \
+      NSAD_WGMMA_ACCUMULATOR_REGS                                                                              \
       "%32, %33, 1, 1, 1, %34, %35;"                                                                           \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),             \
-        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),             \
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),             \
-        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),             \
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),             \
-        "+f"(d[7][2]), "+f"(d[7][3])                                                                           \
+      : NSAD_WGMMA_ACCUMULATORS(d)                                                                             \
       : "l"(desc_a), "l"(desc_b), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
   if constexpr (kBf16) {
     NSAD_WGMMA_SS_ASM("bf16");
