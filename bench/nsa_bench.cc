@@ -288,7 +288,8 @@ int main(int argc, char** argv) {
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
-  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged;
+  const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged &&
+                         choice.dkdv != Choice::DkDv::kWgmma;
   if (d64_build && std::any_of(dims.begin(), dims.end(), [](int64_t d) { return d != 64; })) {
     std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n", NameOf(kSlcDkDvNames, choice.dkdv));
     return 2;

@@ -27,9 +27,9 @@ struct SelectedKernelChoice {
   enum class Fwd { kAuto, kRows, kHeads, kTiled, kBlocks };
   // dK/dV on tensor cores: the staged kernel in one of its D=64 register budgets (rows per
   // step x CTAs per SM; the single D=128 build is 16x1), the same work on warpgroup MMAs
-  // (kWgmma: D=64, an sm_90 device, kernels built for sm_90a; selected_dkdv_wgmma.cuh), or
-  // the unstaged mma::DkDvMmaKernel (any D). kAuto at D=64 takes kWgmma where it runs, else
-  // 32x3. fp32 inputs take kAuto only.
+  // (kWgmma: D=64 or 128, an sm_90 device, kernels built for sm_90a;
+  // selected_dkdv_wgmma.cuh), or the unstaged mma::DkDvMmaKernel (any D). kAuto takes
+  // kWgmma where it runs, else 32x3 at D=64 and 16x1 at D=128. fp32 inputs take kAuto only.
   enum class DkDv { kAuto, kStaged16x3, kStaged32x1, kStaged32x3, kUnstaged, kWgmma };
 
   // Where dQ comes from: the query-side kernel of Fwd (kQuerySide), or the staged dK/dV

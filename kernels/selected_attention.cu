@@ -87,9 +87,10 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
   }
   TORCH_CHECK(c.fwd != Choice::Fwd::kRows || n <= 32,
               "SelectedKernelChoice: the rows kernel needs top_n <= 32, got ", n);
-  TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged,
-              "SelectedKernelChoice: the staged and warpgroup-MMA dK/dV kernels are D=64 builds; D=", s.D,
-              " takes kAuto or kUnstaged");
+  TORCH_CHECK(s.D == 64 || c.dkdv == Choice::DkDv::kAuto || c.dkdv == Choice::DkDv::kUnstaged ||
+                  c.dkdv == Choice::DkDv::kWgmma,
+              "SelectedKernelChoice: the staged dK/dV register budgets are D=64 builds; D=", s.D,
+              " takes kAuto, kUnstaged or kWgmma");
   TORCH_CHECK(c.dkdv != Choice::DkDv::kWgmma || WgmmaRunsHere(),
               "SelectedKernelChoice: the warpgroup-MMA dK/dV kernel needs an sm_90 device and kernels built for "
               "sm_90a");
@@ -851,10 +852,11 @@ bool UseFusedDq(const Choice& c, const at::Tensor& q, const Shape& s) {
   return q.scalar_type() != at::kFloat && c.dkdv != Choice::DkDv::kUnstaged && s.hq() < 16;
 }
 
-// The dK/dV kernel: a forced choice, else at D=64 the warpgroup-MMA kernel wherever it runs
-// (selected_dkdv_wgmma.cuh; measured on H100, selected backward alone with fused dQ, against
-// staged 32x3: B16 T2048 12:2 1.55-1.56 -> 1.23-1.31 ms; one NSA layer at 64k 12:2,
-// forward+backward 15.39 -> 14.51 ms), else the staged kernel's measured build (D=64: 32 rows per
+// The dK/dV kernel: a forced choice, else the warpgroup-MMA kernel wherever it runs
+// (selected_dkdv_wgmma.cuh; measured on H100, selected backward alone with fused dQ, 12:2,
+// against the staged kernel: D=64 B16 T2048 1.55-1.56 -> 1.23-1.31 ms, and one NSA layer at
+// 64k forward+backward 15.39 -> 14.51 ms; D=128 B16 T2048 3.48-3.49 -> 2.09-2.12 ms, 64k
+// 9.13-9.21 -> 6.83-6.89 ms), else the staged kernel's measured build (D=64: 32 rows per
 // step on a 3-CTA-per-SM register budget, 168 registers and 28 bytes of spill, measured 3-17%
 // faster than 2 CTAs per SM on H100, and with fused dQ too: 1.70 ms against 1.86 (16x3) and
 // 1.89 (32x1) at B16 T2048 12:2; D=128: 16 rows, one CTA's budget). Every build has a fused
@@ -879,16 +881,16 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  if constexpr (D == 64) {
-    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : WgmmaRunsHere() ? DkDv::kWgmma : kDefaultDkDv64;
-    if (build == DkDv::kWgmma) {
-      using Cfg = dkdv_wgmma::Cfg<kMaxQueriesPerCta>;
-      kernel = dq_acc ? dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, true, kMaxQueriesPerCta, SelectedKeyPolicy>
-                      : dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, false, kMaxQueriesPerCta, SelectedKeyPolicy>;
-      threads = Cfg::kThreads;
-      smem = Cfg::kBytes;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
+  const bool wgmma = choice.dkdv == DkDv::kWgmma || (choice.dkdv == DkDv::kAuto && WgmmaRunsHere());
+  if (wgmma) {
+    using Cfg = dkdv_wgmma::Cfg<D, kMaxQueriesPerCta>;
+    kernel = dq_acc ? dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, D, true, kMaxQueriesPerCta, SelectedKeyPolicy>
+                    : dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, D, false, kMaxQueriesPerCta, SelectedKeyPolicy>;
+    threads = Cfg::kThreads;
+    smem = Cfg::kBytes;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  } else if constexpr (D == 64) {
+    const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : kDefaultDkDv64;
     const auto pick = [&](auto rows, auto ctas) {
       constexpr int kR = decltype(rows)::value, kC = decltype(ctas)::value;
       if (dq_acc) {

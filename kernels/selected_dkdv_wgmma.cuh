@@ -1,5 +1,5 @@
 // Key-centric dK/dV of the selected branch (and, with kFusedDq, dQ) on warpgroup MMAs
-// (sm_90a, bf16/fp16, head_dim 64; SelectedKernelChoice::DkDv::kWgmma), included by
+// (sm_90a, bf16/fp16, head_dim 64 or 128; SelectedKernelChoice::DkDv::kWgmma), included by
 // selected_attention.cu. The work split is the staged mma.sync kernel's
 // (SelectedDkDvStagedKernel): one CTA per work item of the inverted block map, i.e. one
 // selected block of <= 64 keys and a slice of the entries that chose it, whose (position,
@@ -15,7 +15,8 @@
 //                    MN-major; each row's 64 columns added into the float32 dq_acc
 // as FlashAttention-3's backward lays out its products. Every tile is a [64][64] 16-bit
 // tile in the 128-byte swizzle that mma::SwizzledOffset writes (wgmma.cuh), so one staged
-// copy serves both orientations. dK/dV stay in registers over the whole slice and are added
+// copy serves both orientations; at D = 128 a row's two 64-column halves sit in two such
+// tiles: S^T and dP^T contract over both, dK, dV and dQ have one accumulator tile per half. dK/dV stay in registers over the whole slice and are added
 // into float32 buffers once per work item, as before; every float32 add is a 16-byte atomic
 // (AtomicAddRowQuads).
 #pragma once
@@ -29,21 +30,24 @@
 
 namespace nsad::nsa::cuda::detail::dkdv_wgmma {
 
-// Shared memory from a 1 KB-aligned base (the swizzle's period): the block's K and V tiles,
-// two buffers each of staged Q and dO rows, the dS^T tile, two buffers of per-row metadata
-// (lse, delta, position as float bits), then the item's positions.
-template <int kMaxQueries>
+// Shared memory from a 1 KB-aligned base (the swizzle's period): the block's K and V rows,
+// two buffers each of staged Q and dO rows (each kHalves [64][64] tiles), the dS^T tile, two
+// buffers of per-row metadata (lse, delta, position as float bits), then the item's positions.
+template <int D, int kMaxQueries>
 struct Cfg {
-  static constexpr int kD = 64;
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kHalves = D / 64;  // 64-column tiles per row
   static constexpr int kThreads = wgmma::kWarpgroupThreads;
   static constexpr int kRows = 64;  // query rows per step: the N of S^T and dP^T
-  // 208-212 registers, no spills. A 3-CTA budget (168 registers, 24-68 bytes of spill) was
-  // no faster on H100: selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms against
-  // 1.23-1.31, 64k forward+backward 14.60 against 14.51 ms.
-  static constexpr int kMinCtas = 2;
-  static constexpr int kTileBytes = 64 * kD * 2;  // 8 KB
-  static constexpr int kK = 0, kV = kTileBytes, kQ = 2 * kTileBytes, kDo = 4 * kTileBytes, kDs = 6 * kTileBytes;
-  static constexpr int kMeta = 7 * kTileBytes;
+  // D=64: 208-214 registers, no spills. A 3-CTA budget (168 registers, 24-68 bytes of
+  // spill) was no faster on H100: selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms
+  // against 1.23-1.31, 64k forward+backward 14.60 against 14.51 ms. D=128 holds twice the
+  // dK/dV accumulators: one CTA's budget (255 registers, 64-72 bytes of spill).
+  static constexpr int kMinCtas = D == 64 ? 2 : 1;
+  static constexpr int kTileBytes = 64 * 64 * 2;       // 8 KB: one [64][64] 16-bit tile
+  static constexpr int kRowsBytes = kHalves * kTileBytes;  // 64 rows of D
+  static constexpr int kK = 0, kV = kRowsBytes, kQ = 2 * kRowsBytes, kDo = 4 * kRowsBytes, kDs = 6 * kRowsBytes;
+  static constexpr int kMeta = kDs + kTileBytes;
   static constexpr int kPos = kMeta + 2 * kRows * 16;
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
   static constexpr int kBytes = kAlignSlack + kPos + 4 * kMaxQueries;
@@ -74,15 +78,15 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
   }
 }
 
-template <typename scalar_t, bool kFusedDq, int kMaxQueries, typename KeyPolicy>
-__global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::kMinCtas)
+template <typename scalar_t, int D, bool kFusedDq, int kMaxQueries, typename KeyPolicy>
+__global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQueries>::kMinCtas)
     SelectedDkDvWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                             const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta,
                             float* __restrict__ dk_acc, float* __restrict__ dv_acc, float* __restrict__ dq_acc,
                             Shape s, KeyPolicy pol, float scale) {
-  using C = Cfg<kMaxQueries>;
-  constexpr int D = C::kD, kR = C::kRows, kChunks = D / 8;
+  using C = Cfg<D, kMaxQueries>;
+  constexpr int kR = C::kRows, kChunks = D / 8, kHalves = C::kHalves;
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float4 dkdv_smem[];
   const uint32_t raw = mma::SmemAddr(dkdv_smem);
@@ -101,10 +105,12 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
   // The block's keys, rows past its end zero (their products are masked); committed with
   // the first step's rows.
   const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
-  mma::StageTileAsync<D, 64, C::kThreads>(base + C::kK, k + KeyOffset(s, w.b, w.keys.start, w.g), kv_stride,
-                                          w.keys.count);
-  mma::StageTileAsync<D, 64, C::kThreads>(base + C::kV, v + KeyOffset(s, w.b, w.keys.start, w.g), kv_stride,
-                                          w.keys.count);
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t src = KeyOffset(s, w.b, w.keys.start, w.g) + 64 * h;
+    mma::StageTileAsync<64, 64, C::kThreads>(base + C::kK + h * C::kTileBytes, k + src, kv_stride, w.keys.count);
+    mma::StageTileAsync<64, 64, C::kThreads>(base + C::kV + h * C::kTileBytes, v + src, kv_stride, w.keys.count);
+  }
   const auto stage = [&](int r0, int buf) {
 #pragma unroll
     for (int it = 0; it < kR * kChunks / C::kThreads; ++it) {
@@ -112,7 +118,7 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
       const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
       const bool ok = rho < total;  // rows past the end are zero-filled
       const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
-      const uint32_t dst = mma::SwizzledOffset<D>(r, ch) + buf * C::kTileBytes;
+      const uint32_t dst = (ch / 8) * C::kTileBytes + mma::SwizzledOffset<64>(r, ch % 8) + buf * C::kRowsBytes;
       mma::CpAsync16(base + C::kQ + dst, q + off, ok);
       mma::CpAsync16(base + C::kDo + dst, dout + off, ok);
     }
@@ -140,11 +146,14 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
   }
   const float scale_log2 = scale * kLog2e;
   const uint32_t ktile = base + C::kK, vtile = base + C::kV, dstile = base + C::kDs;
-  float dk[8][4], dv[8][4];
+  float dk[kHalves][8][4], dv[kHalves][8][4];  // columns 64 h .. 64 h + 63 of the keys' rows
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[h][i][e] = dv[h][i][e] = 0.f;
+    }
   }
 
   stage(0, 0);
@@ -152,7 +161,7 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
     mma::StageNextAndWait(r0, kR, total, buf, stage);
     wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
     __syncthreads();
-    const uint32_t qt = base + C::kQ + buf * C::kTileBytes, dot = base + C::kDo + buf * C::kTileBytes;
+    const uint32_t qt = base + C::kQ + buf * C::kRowsBytes, dot = base + C::kDo + buf * C::kRowsBytes;
     const float4* m = meta + buf * kR;
 
     float st[8][4], dpt[8][4];
@@ -165,14 +174,22 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
     wgmma::FenceRegisters(dpt);
     wgmma::Fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma::MmaM64N64K16Smem<kBf16, false, false>(st, wgmma::KMajorTileStep(ktile, kk),
-                                                   wgmma::KMajorTileStep(qt, kk));
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t off = h * C::kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::MmaM64N64K16Smem<kBf16, false, false>(st, wgmma::KMajorTileStep(ktile + off, kk),
+                                                     wgmma::KMajorTileStep(qt + off, kk));
+      }
     }
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma::MmaM64N64K16Smem<kBf16, false, false>(dpt, wgmma::KMajorTileStep(vtile, kk),
-                                                   wgmma::KMajorTileStep(dot, kk));
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t off = h * C::kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::MmaM64N64K16Smem<kBf16, false, false>(dpt, wgmma::KMajorTileStep(vtile + off, kk),
+                                                     wgmma::KMajorTileStep(dot + off, kk));
+      }
     }
     wgmma::Commit();
     wgmma::Wait<0>();
@@ -200,13 +217,24 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
       mma::PackA<kBf16>(pf[kk], st[2 * kk], st[2 * kk + 1]);
       mma::PackA<kBf16>(dsf[kk], dpt[2 * kk], dpt[2 * kk + 1]);
     }
-    wgmma::FenceRegisters(dv);
-    wgmma::FenceRegisters(dk);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      wgmma::FenceRegisters(dv[h]);
+      wgmma::FenceRegisters(dk[h]);
+    }
     wgmma::Fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::MmaM64N64K16<kBf16, true>(dv, pf[kk], wgmma::MnMajorTileStep(dot, kk));
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t off = h * C::kTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::MmaM64N64K16<kBf16, true>(dk, dsf[kk], wgmma::MnMajorTileStep(qt, kk));
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::MnMajorTileStep(dot + off, kk));
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::MnMajorTileStep(qt + off, kk));
+      }
+    }
     wgmma::Commit();
 
     if constexpr (kFusedDq) {
@@ -224,35 +252,46 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
       }
       wgmma::FenceProxyAsync();
       __syncthreads();  // the whole dS^T tile is written
-      float dq[8][4];
+      // This thread's dQ rows are the step's rows 16 warp + g and + 8; one 64-column half of
+      // dQ at a time (its accumulators are then free for the next).
+      int64_t dq_row[2];
+      bool dq_ok[2];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
-      }
-      wgmma::FenceRegisters(dq);
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk),
-                                                  wgmma::MnMajorTileStep(ktile, kk));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegisters(dq);
-      // This thread's dQ rows are the step's rows 16 warp + g and + 8.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = key_lo + g + 8 * h;
+      for (int i = 0; i < 2; ++i) {
+        const int row = key_lo + g + 8 * i;
         const int t = __float_as_int(m[row].z);
-        const int64_t off = t < 0 ? 0 : QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq);
-        AtomicAddRowQuads(dq_acc + off, dq, h, scale, t >= 0, lane);
+        dq_ok[i] = t >= 0;
+        dq_row[i] = dq_ok[i] ? QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) : 0;
+      }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        float dq[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+        }
+        wgmma::FenceRegisters(dq);
+        wgmma::Fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk),
+                                                    wgmma::MnMajorTileStep(ktile + h * C::kTileBytes, kk));
+        }
+        wgmma::Commit();
+        wgmma::Wait<0>();
+        wgmma::FenceRegisters(dq);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) AtomicAddRowQuads(dq_acc + dq_row[i] + 64 * h, dq, i, scale, dq_ok[i], lane);
       }
     } else {
       wgmma::Wait<0>();
     }
-    wgmma::FenceRegisters(dv);
-    wgmma::FenceRegisters(dk);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      wgmma::FenceRegisters(dv[h]);
+      wgmma::FenceRegisters(dk[h]);
+    }
     __syncthreads();  // every product of this step is done with buf's tiles and the dS^T tile
   }
 #pragma unroll
@@ -260,8 +299,11 @@ __global__ void __launch_bounds__(Cfg<kMaxQueries>::kThreads, Cfg<kMaxQueries>::
     const int kr = key_lo + g + 8 * half;
     const bool ok = kr < w.keys.count;  // per lane: the exchange needs every lane
     const int64_t off = ok ? KeyOffset(s, w.b, w.keys.start + kr, w.g) : 0;
-    AtomicAddRowQuads(dk_acc + off, dk, half, scale, ok, lane);
-    AtomicAddRowQuads(dv_acc + off, dv, half, 1.f, ok, lane);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      AtomicAddRowQuads(dk_acc + off + 64 * h, dk[h], half, scale, ok, lane);
+      AtomicAddRowQuads(dv_acc + off + 64 * h, dv[h], half, 1.f, ok, lane);
+    }
   }
 }
 

@@ -193,20 +193,21 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"dq fused, staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0, Dq::kFused), true, true},
       {"dq fused, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused), true,
        false},
-      // The warpgroup-MMA dK/dV kernel, with and without fused dQ, whole and short slices
-      // (a 24-query slice of 6 heads is 144 rows: two full 64-row steps and a partial one).
-      {"dkdv wgmma", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 0), true, true, true},
-      {"dkdv wgmma, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24), true, true, true},
-      {"dq fused, dkdv wgmma", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 0, Dq::kFused), true, true, true},
+      // The warpgroup-MMA dK/dV kernel (both head dims), with and without fused dQ, whole and
+      // short slices (a 24-query slice of 6 heads is 144 rows: two full 64-row steps and a
+      // partial one).
+      {"dkdv wgmma", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 0), true, false, true},
+      {"dkdv wgmma, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24), true, false, true},
+      {"dq fused, dkdv wgmma", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 0, Dq::kFused), true, false, true},
       {"dq fused, dkdv wgmma, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24, Dq::kFused),
-       true, true, true},
+       true, false, true},
       {"dq fused, dkdv wgmma, position order, 24 queries per item",
        [&] {
          Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24, Dq::kFused);
          c.order = Choice::Order::kPosition;
          return c;
        }(),
-       true, true, true},
+       true, false, true},
       // Work items launched in position order (an indirection through the sorted item list)
       // for the block forward and dK/dV, with short slices so the order has many items to
       // permute.
@@ -281,17 +282,6 @@ TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   } else {
     choice.queries_per_item = 513;  // over the staged kernel's shared-memory positions
   }
-  ExpectSelectedAttentionRefuses(choice);
-}
-
-// The warpgroup-MMA dK/dV kernel is a head_dim-64 build: forcing it elsewhere fails the call
-// instead of running another kernel.
-TEST_P(KernelsTest, SelectedAttentionRejectsWgmmaDkDvItCannotRun) {
-  using Choice = cuda::detail::SelectedKernelChoice;
-  const Case c = GetParam();
-  if (c.dtype == torch::kFloat || c.D == 64) GTEST_SKIP() << "bf16/fp16 at head_dim 128 only";
-  Choice choice;
-  choice.dkdv = Choice::DkDv::kWgmma;
   ExpectSelectedAttentionRefuses(choice);
 }
 
