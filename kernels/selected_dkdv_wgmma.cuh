@@ -78,6 +78,22 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
   }
 }
 
+// acc += A B^T for two sets of 64 rows of D = 64 kHalves elements, each staged as kHalves
+// swizzled [64][64] tiles 8 KB apart at smem addresses a and b: the contraction runs over D,
+// four k16 steps per tile, both operands K-major. Issues the MMAs only (Commit/Wait follow).
+template <bool kBf16, int kHalves>
+__device__ __forceinline__ void RowsTimesRowsT(float (&acc)[8][4], uint32_t a, uint32_t b) {
+  constexpr uint32_t kTileBytes = 64 * 64 * 2;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma::MmaM64N64K16Smem<kBf16, false, false>(acc, wgmma::KMajorTileStep(a + h * kTileBytes, kk),
+                                                   wgmma::KMajorTileStep(b + h * kTileBytes, kk));
+    }
+  }
+}
+
 template <typename scalar_t, int D, bool kFusedDq, int kMaxQueries, typename KeyPolicy>
 __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQueries>::kMinCtas)
     SelectedDkDvWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
@@ -173,24 +189,8 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     wgmma::FenceRegisters(st);
     wgmma::FenceRegisters(dpt);
     wgmma::Fence();
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const uint32_t off = h * C::kTileBytes;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16Smem<kBf16, false, false>(st, wgmma::KMajorTileStep(ktile + off, kk),
-                                                     wgmma::KMajorTileStep(qt + off, kk));
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      const uint32_t off = h * C::kTileBytes;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16Smem<kBf16, false, false>(dpt, wgmma::KMajorTileStep(vtile + off, kk),
-                                                     wgmma::KMajorTileStep(dot + off, kk));
-      }
-    }
+    RowsTimesRowsT<kBf16, kHalves>(st, ktile, qt);
+    RowsTimesRowsT<kBf16, kHalves>(dpt, vtile, dot);
     wgmma::Commit();
     wgmma::Wait<0>();
     wgmma::FenceRegisters(st);
