@@ -61,17 +61,24 @@ void DispatchHeadDim(int64_t D, F&& f) {
   }
 }
 
-// Launches kernel<<<grid, kThreads, smem_bytes>>> on the current stream, raising the
-// dynamic shared-memory limit first when the kernel needs more than the default 48 KB.
+// Launches kernel<<<grid, threads, smem_bytes>>> on the current stream (nothing for an
+// empty grid), raising the dynamic shared-memory limit first when the kernel needs more than
+// the default 48 KB.
 template <typename Kernel, typename... Args>
-void Launch(Kernel kernel, dim3 grid, size_t smem_bytes, Args... args) {
+void LaunchKernel(Kernel kernel, dim3 grid, int threads, size_t smem_bytes, Args... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem_bytes > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem_bytes)));
   }
-  kernel<<<grid, kThreads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(args...);
+  kernel<<<grid, threads, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// LaunchKernel with the scalar kernels' kThreads.
+template <typename Kernel, typename... Args>
+void Launch(Kernel kernel, dim3 grid, size_t smem_bytes, Args... args) {
+  LaunchKernel(kernel, grid, kThreads, smem_bytes, args...);
 }
 
 inline Shape MakeShape(const at::Tensor& q, const at::Tensor& k) {

@@ -494,13 +494,11 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (map.segments > 0) {
-    const auto kernel = block_fwd::SelectedBlockFwdKernel<scalar_t, D, kMaxQueriesPerCta, SelectedKeyPolicy>;
-    constexpr int kSmem = block_fwd::BlockFwdSmem<D, kMaxQueriesPerCta>::kBytes;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    kernel<<<static_cast<unsigned>(map.max_items), block_fwd::BlockFwdCfg<D>::kThreads, kSmem, stream>>>(
-        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
-        part_lse.data_ptr<float>(), s, KeyPolicy(map, s, n, g.slc_block), scale_log2);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    LaunchKernel(block_fwd::SelectedBlockFwdKernel<scalar_t, D, kMaxQueriesPerCta, SelectedKeyPolicy>,
+                 dim3(static_cast<unsigned>(map.max_items)), block_fwd::BlockFwdCfg<D>::kThreads,
+                 block_fwd::BlockFwdSmem<D, kMaxQueriesPerCta>::kBytes, q.data_ptr<scalar_t>(),
+                 k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), part_o.data_ptr<scalar_t>(),
+                 part_lse.data_ptr<float>(), s, KeyPolicy(map, s, n, g.slc_block), scale_log2);
   }
   const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
   block_fwd::CombineSelectedPartials<scalar_t, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
@@ -870,7 +868,8 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
   using Kernel = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const scalar_t*, const float*,
                           const float*, float*, float*, float*, Shape, SelectedKeyPolicy, float);
   Kernel kernel = nullptr;
-  int threads = mma::kMmaThreads, smem = 0;  // the staged builds' shared memory is static
+  int threads = mma::kMmaThreads, smem = 0;  // the staged builds' shared memory is static (LaunchKernel
+                                             // raises the limit for the wgmma kernel's dynamic one)
   if (choice.dkdv == DkDv::kUnstaged) {
     TORCH_CHECK(dq_acc == nullptr, "fused dQ needs a staged dK/dV kernel");  // ChoiceFor rejects it
     mma::DkDvMmaKernel<scalar_t, D, SelectedKeyPolicy><<<kgrid, mma::kMmaThreads, 0,
@@ -888,7 +887,6 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
                     : dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, D, false, kMaxQueriesPerCta, SelectedKeyPolicy>;
     threads = Cfg::kThreads;
     smem = Cfg::kBytes;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   } else if constexpr (D == 64) {
     const DkDv build = choice.dkdv != DkDv::kAuto ? choice.dkdv : kDefaultDkDv64;
     const auto pick = [&](auto rows, auto ctas) {
@@ -908,11 +906,9 @@ void LaunchSelectedDkDv(const at::Tensor& q, const at::Tensor& k, const at::Tens
     kernel = SelectedDkDvStagedKernel<scalar_t, D, 16, 1, false>;
   }
   TORCH_CHECK(kernel != nullptr, "no dK/dV build for this choice");
-  kernel<<<kgrid, threads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(),
-      lse.data_ptr<float>(), delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(),
-      dq_acc ? dq_acc->data_ptr<float>() : nullptr, s, kpol, scale);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  LaunchKernel(kernel, kgrid, threads, smem, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+               dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(), dk_acc.data_ptr<float>(),
+               dv_acc.data_ptr<float>(), dq_acc ? dq_acc->data_ptr<float>() : nullptr, s, kpol, scale);
 }
 
 void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kernel_choice.h"
+#include "launch_util.cuh"
 #include "mma_tile.cuh"
 #include "wgmma.cuh"
 
@@ -374,13 +375,8 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
   const auto launch = [&](auto kernel, int threads, int smem) {
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    }
-    kernel<<<grid, threads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-        lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    LaunchKernel(kernel, grid, threads, smem, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                 out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
   };
   const bool wgmma = UseTiledWgmma(q);  // true only at D = 64
   if constexpr (D == TiledWgmmaCfg::kD) {
