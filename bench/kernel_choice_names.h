@@ -34,6 +34,9 @@ constexpr std::pair<const char*, SelectedChoice::Order> kSlcOrderNames[] = {
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};
+constexpr std::pair<const char*, WindowChoice::Backward> kWinBwdNames[] = {
+    {"auto", WindowChoice::Backward::kAuto}, {"flash", WindowChoice::Backward::kFlash},
+    {"wgmma", WindowChoice::Backward::kWgmma}};
 constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
     {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {

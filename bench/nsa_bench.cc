@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--cmp-kernel auto|own|registers|dense]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense]
 //             [--tiled-mma auto|sync|wgmma]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
@@ -19,7 +19,9 @@
 // in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
 // kernels at every length, our register-only kernels, or cuDNN over packed query rows
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
-// FlashAttention-2 instead of the tiled kernel (WindowKernelChoice); --tiled-mma sync|wgmma
+// FlashAttention-2 instead of the tiled kernel and --win-bwd flash its backward on
+// FlashAttention-2 instead of the warpgroup-MMA kernel, --win-qpc N sets that kernel's
+// positions per work item (WindowKernelChoice); --tiled-mma sync|wgmma
 // runs the tiled forward (the selected branch's and the window's) on mma.sync or on
 // warpgroup MMAs (TiledForwardChoice). The default is the
 // dispatch training uses. Choices print first.
@@ -75,6 +77,7 @@ using nsad::bench::kSlcDkDvNames;
 using nsad::bench::kSlcDqNames;
 using nsad::bench::kSlcFwdNames;
 using nsad::bench::kSlcOrderNames;
+using nsad::bench::kWinBwdNames;
 using nsad::bench::kWinFwdNames;
 
 // Drops the leaves' .grad before a backward, as FlashAttention's benchmark does (x.grad =
@@ -274,6 +277,8 @@ int main(int argc, char** argv) {
       if (!ParseChoiceFlag("--cmp-kernel", kCmpNames, argv[i + 1], cmp_choice.path)) return 2;
     } else if (a == "--win-fwd") {
       if (!ParseChoiceFlag("--win-fwd", kWinFwdNames, argv[i + 1], win_choice.forward)) return 2;
+    } else if (a == "--win-bwd") {
+      if (!ParseChoiceFlag("--win-bwd", kWinBwdNames, argv[i + 1], win_choice.backward)) return 2;
     } else if (a == "--tiled-mma") {
       if (!ParseChoiceFlag("--tiled-mma", kTiledMmaNames, argv[i + 1], tiled_choice.mma)) return 2;
     }
@@ -286,6 +291,7 @@ int main(int argc, char** argv) {
     } else if (a == "--slc-order") {
       if (!ParseChoiceFlag("--slc-order", kSlcOrderNames, argv[i + 1], choice.order)) return 2;
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
+    else if (a == "--win-qpc") win_choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
   }
   const bool d64_build = choice.dkdv != Choice::DkDv::kAuto && choice.dkdv != Choice::DkDv::kUnstaged &&
@@ -296,6 +302,10 @@ int main(int argc, char** argv) {
   }
   if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
     std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..512\n");
+    return 2;
+  }
+  if (win_choice.queries_per_item < 0 || win_choice.queries_per_item > 320) {
+    std::fprintf(stderr, "--win-qpc takes 0 (auto) or 1..320\n");
     return 2;
   }
   if (!torch::cuda::is_available() || !nsa_cuda::Available()) {
@@ -312,6 +322,8 @@ int main(int argc, char** argv) {
   std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
   nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
   std::printf("# window forward: %s\n", NameOf(kWinFwdNames, win_choice.forward));
+  std::printf("# window backward: %s, positions per work item %d%s\n", NameOf(kWinBwdNames, win_choice.backward),
+              win_choice.queries_per_item, win_choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetTiledForwardChoiceForTesting(tiled_choice);
   std::printf("# tiled forward's MMAs: %s\n", NameOf(kTiledMmaNames, tiled_choice.mma));
   torch::NoGradGuard no_grad_default;  // re-enabled below where backward is timed

@@ -75,14 +75,22 @@ struct CompressedKernelChoice {
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);
 CompressedKernelChoice GetCompressedKernelChoice();
 
-// Sliding-window forward, bf16/fp16: kTiled runs the tiled shared-memory kernel
+// Sliding-window attention, bf16/fp16. Forward: kTiled runs the tiled shared-memory kernel
 // (window_attention.cu, head_dim 64 or 128), kFlash PyTorch's FlashAttention-2 forward with
 // a window (the path before), kAuto the tiled kernel at head_dim 64 and FlashAttention-2
-// otherwise (measured). The backward is FlashAttention-2's either way. fp32 takes its own
-// path (kTiled fails there, as on other head dims).
+// otherwise (measured). Backward: kWgmma runs the key-centric warpgroup-MMA dK/dV kernel with
+// fused dQ (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) over the window's key
+// blocks, kFlash FlashAttention-2's windowed backward (the path before), kAuto kWgmma at
+// head_dim 64 where it runs, FlashAttention-2 otherwise (measured). fp32 takes its own path (a forced kTiled or kWgmma fails there, as on other head
+// dims or devices).
 struct WindowKernelChoice {
   enum class Forward { kAuto, kFlash, kTiled };
+  enum class Backward { kAuto, kFlash, kWgmma };
   Forward forward = Forward::kAuto;
+  Backward backward = Backward::kAuto;
+  // kWgmma backward: positions per work item (a 64-key block's slice of the positions that
+  // attend it); 0 is the measured default, else 1..320.
+  int queries_per_item = 0;
 };
 
 void SetWindowKernelChoiceForTesting(const WindowKernelChoice& choice);

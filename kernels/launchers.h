@@ -61,13 +61,22 @@ at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, co
 bool UseDenseCompressed(const at::Tensor& q, const Geo& g);
 
 // Sliding-window forward on the tiled kernel (window_attention.cu): out [B,T,H,D] and lse
-// [B,T,H] float32 in log2 units; bf16/fp16, head_dim 64 or 128. The backward is
-// FlashAttention-2's (nsa_cuda.cc).
+// [B,T,H] float32 in log2 units; bf16/fp16, head_dim 64 or 128.
 std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  int64_t window);
 // Whether the window forward runs WindowForward (WindowKernelChoice, kernel_choice.h) for q;
 // a forced kTiled that cannot run (fp32, other head dims) fails.
 bool UseTiledWindowForward(const at::Tensor& q);
+// Sliding-window backward on the warpgroup-MMA dK/dV kernel (window_attention.cu), given the
+// forward's out and its lse as WindowForward returns it: dq, dk, dv in the inputs' types.
+// bf16/fp16, head_dim 64 or 128, an sm_90 device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              int64_t window);
+// Whether the window backward runs WindowBackward (WindowKernelChoice); a forced kWgmma that
+// cannot run fails.
+bool UseWgmmaWindowBackward(const at::Tensor& q);
 
 // importance [B,T,G,NS] float32 -> block indices [B,T,G,n] int32.
 at::Tensor SelectBlocksLaunch(const at::Tensor& importance, int64_t seq_len, const Geo& g);

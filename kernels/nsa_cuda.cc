@@ -2,11 +2,11 @@
 //
 // Selected and compressed attention run the custom kernels of this folder; from 16k tokens the
 // compressed branch's attention runs on cuDNN over packed query rows (CompressedDenseFn), its
-// importance pass still on our kernel. Sliding-window
-// attention runs PyTorch's own FlashAttention-2 kernels (at::_flash_attention_forward /
-// _backward with window_size_left = w - 1, window_size_right = 0): they take GQA natively
-// (K/V keep G heads) and are faster than anything we would write for a dense local window.
-// FlashAttention takes only fp16/bf16; fp32 inputs (tests, debugging) take a masked SDPA path.
+// importance pass still on our kernel. Sliding-window attention runs our tiled forward and
+// warpgroup-MMA backward where they apply (window_attention.cu), else PyTorch's own
+// FlashAttention-2 kernels (at::_flash_attention_forward / _backward with window_size_left =
+// w - 1, window_size_right = 0), which take GQA natively too (K/V keep G heads). fp32 inputs
+// (tests, debugging) take a masked SDPA path.
 #include "nsa_cuda.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -147,40 +147,47 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
 
 // A causal window of w keys: window_size_left = w - 1 keeps keys (t - w, t], exactly the
 // contract's window. Forward: the tiled kernel (window_attention.cu) where it applies, else
-// FlashAttention-2's; backward: FlashAttention-2's, given the forward's output and its
-// log-sum-exp in FlashAttention's layout ([B,H,T], natural log; ours is [B,T,H] in log2
-// units) and, as its own forward returns them without dropout, empty RNG tensors.
-struct SlidingWindowFlashFn : torch::autograd::Function<SlidingWindowFlashFn> {
+// FlashAttention-2's. Backward: the warpgroup-MMA kernel (WindowBackward) where it applies,
+// given the forward's output and its log-sum-exp as the tiled forward writes it ([B,T,H], log2
+// units); else FlashAttention-2's, given them in FlashAttention's layout ([B,H,T], natural log)
+// and, as its own forward returns them without dropout, empty RNG tensors. The saved lse is
+// in the layout the backward reads, so only a forward and backward of different kinds convert.
+struct SlidingWindowFn : torch::autograd::Function<SlidingWindowFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, int64_t window, bool tiled_forward) {
+                               const torch::Tensor& v, int64_t window, bool tiled_forward, bool wgmma_backward) {
     const int64_t T = q.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
     torch::Tensor out, lse, rng_state, unused;
     if (tiled_forward) {
-      torch::Tensor lse_log2;
-      std::tie(out, lse_log2) = detail::WindowForward(q, k, v, window);
-      lse = (lse_log2 * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
+      std::tie(out, lse) = detail::WindowForward(q, k, v, window);
+      if (!wgmma_backward) lse = (lse * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
       rng_state = torch::empty({}, torch::kLong);
       unused = torch::empty({}, torch::kLong);
     } else {
       std::tie(out, lse, rng_state, unused, std::ignore) = at::_flash_attention_forward(
           q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
           /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
+      if (wgmma_backward) lse = (lse * static_cast<float>(M_LOG2E)).transpose(1, 2).contiguous();
     }
     ctx->save_for_backward({q, k, v, out, lse, rng_state, unused});
     ctx->saved_data["window"] = window;
+    ctx->saved_data["wgmma_backward"] = wgmma_backward;
     return out;
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto s = ctx->get_saved_variables();
     const int64_t T = s[0].size(1);
     const int64_t window = ctx->saved_data["window"].toInt();
+    if (ctx->saved_data["wgmma_backward"].toBool()) {
+      auto [dq, dk, dv] = detail::WindowBackward(grads[0], s[0], s[1], s[2], s[3], s[4], window);
+      return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     const double scale = 1.0 / std::sqrt(static_cast<double>(s[0].size(3)));
     auto [dq, dk, dv] = at::_flash_attention_backward(
         grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], torch::Tensor(), torch::Tensor(), T,
         T, /*dropout_p=*/0.0, /*is_causal=*/true, s[5], s[6], scale, window - 1,
         /*window_size_right=*/0);
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -236,8 +243,10 @@ torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(g.window > 0, "window must be positive");
   // A forced choice this input cannot take fails here, fp32 included.
   const bool tiled_forward = detail::UseTiledWindowForward(q);
+  const bool wgmma_backward = detail::UseWgmmaWindowBackward(q);
   if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
-    return SlidingWindowFlashFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, tiled_forward);
+    return SlidingWindowFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, tiled_forward,
+                                  wgmma_backward);
   }
   return SlidingWindowMasked(q, k, v, g.window);
 }

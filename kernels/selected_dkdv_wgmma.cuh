@@ -1,11 +1,15 @@
-// Key-centric dK/dV of the selected branch (and, with kFusedDq, dQ) on warpgroup MMAs
-// (sm_90a, bf16/fp16, head_dim 64 or 128; SelectedKernelChoice::DkDv::kWgmma), included by
-// selected_attention.cu. The work split is the staged mma.sync kernel's
-// (SelectedDkDvStagedKernel): one CTA per work item of the inverted block map, i.e. one
-// selected block of <= 64 keys and a slice of the entries that chose it, whose (position,
-// head) query rows are gathered kRows at a time into shared memory, the next step's copy in
-// flight while this one computes. What changes is who multiplies. The CTA is one warpgroup,
-// the block's 64 keys are the M of every product but dQ's, and per step of 64 rows:
+// Key-centric dK/dV (and, with kFusedDq, dQ) on warpgroup MMAs (sm_90a, bf16/fp16, head_dim
+// 64 or 128). Two users: the selected branch (selected_attention.cu,
+// SelectedKernelChoice::DkDv::kWgmma) and the sliding window's backward (window_attention.cu,
+// WindowKernelChoice::Backward::kWgmma). KeyPolicy hands each CTA one block of <= 64 keys and
+// the query positions that may attend it, and masks (Allowed): for the selected branch the
+// staged mma.sync kernel's work split (SelectedDkDvStagedKernel), one work item of the
+// inverted block map, i.e. a selected block and a slice of the entries that chose it; for
+// the window a 64-key block and a slice of the contiguous positions whose windows cover it.
+// The (position, head) query rows are gathered kRows at a time into shared memory, the next
+// step's copy in flight while this one computes. Against the staged kernel, what changes is
+// who multiplies. The CTA is one warpgroup, the block's 64 keys are the M of every product
+// but dQ's, and per step of 64 rows:
 //   S^T  = K Q^T     K (staged once) and Q, both K-major from shared memory
 //   dP^T = V dO^T    V and dO, likewise
 //   P^T  = exp2(S^T - lse), dS^T = P^T (dP^T - delta)   on the accumulators (causal mask)
@@ -151,8 +155,9 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     mma::CpAsyncCommit();
   };
 
-  // This thread's accumulator rows are keys 16 warp + g and + 8 of the block; key <= t is
-  // the whole mask (padding keys never pass it, nor rows past the end, t = -1).
+  // This thread's accumulator rows are keys 16 warp + g and + 8 of the block; the policy's
+  // Allowed(t, key) is the whole mask. Padding keys are INT_MAX, so key <= t (which every
+  // policy's mask includes) fails for them, as for rows past the end (t = -1).
   const int key_lo = 16 * warp;
   int key_cut[2];
 #pragma unroll
@@ -205,7 +210,8 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
         const int t = __float_as_int(mr.z);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float p = key_cut[half] <= t ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
+          const bool seen = pol.Allowed(s, t, key_cut[half]);
+          const float p = seen ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
           st[j][2 * half + e] = p;
           dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - mr.y);
         }

@@ -1,22 +1,31 @@
-// Sliding-window attention forward (query t attends keys (t - w, t]) on the tiled forward of
-// smem_fwd_tile.cuh: a CTA's 128 (position, head) rows walk the 64-key blocks their windows
-// cover, every K/V block copied once per CTA into shared memory. Blocks inside every row's
-// window run without the per-element test. The backward stays FlashAttention-2's (nsa_cuda.cc
-// hands it this forward's output and log-sum-exp); FlashAttention-2's own windowed forward
-// masks every block of the window, which made it slower than its full causal forward at
-// T = 2048 (PERFORMANCE.md).
+// Sliding-window attention (query t attends keys (t - w, t]).
+// Forward: the tiled forward of smem_fwd_tile.cuh; a CTA's 128 (position, head) rows walk the
+// 64-key blocks their windows cover, every K/V block copied once per CTA into shared memory.
+// Blocks inside every row's window run without the per-element test. FlashAttention-2's own
+// windowed forward masks every block of the window, which made it slower than its full causal
+// forward at T = 2048 (PERFORMANCE.md).
+// Backward: the key-centric warpgroup-MMA kernel of selected_dkdv_wgmma.cuh (dK/dV, fused
+// dQ) with WindowKeyPolicy: a CTA takes one 64-key block and a slice of the positions whose
+// windows cover it. Elsewhere (other devices, a forced kFlash) nsa_cuda.cc runs
+// FlashAttention-2's backward.
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 
 #include "kernel_choice.h"
 #include "launch_util.cuh"
+#include "selected_dkdv_wgmma.cuh"
 #include "smem_fwd_tile.cuh"
 
 namespace nsad::nsa::cuda::detail {
 namespace {
 
-std::atomic<WindowKernelChoice::Forward> window_choice{WindowKernelChoice::Forward::kAuto};
+std::atomic<WindowKernelChoice::Forward> window_forward{WindowKernelChoice::Forward::kAuto};
+std::atomic<WindowKernelChoice::Backward> window_backward{WindowKernelChoice::Backward::kAuto};
+std::atomic<int> window_queries_per_item{0};
 
 constexpr int kBlock = smem_fwd::TiledCfg<64>::kN;  // keys per tile (64 for every D)
+static_assert(kBlock == 64, "the backward kernel takes blocks of 64 keys (the M of its MMAs)");
 
 struct WindowWalk {
   int window;  // keys (t - window, t]
@@ -38,17 +47,57 @@ struct WindowWalk {
   __device__ bool Sees(int, int, int t, int key) const { return key <= t && key > t - window; }
 };
 
+// The backward's work split: CTA -> (b, g, 64-key block, slice). Keys key0 .. key0 + 63 are
+// attended by positions key0 .. key0 + 63 + w - 1; each slice takes queries_per_cta of them
+// (all heads of the group), and its partial dK/dV are added into float32 buffers. The grid
+// is an upper bound: slices past a block's last position (at the end of the sequence) exit.
+struct WindowKeyPolicy {
+  int window, queries_per_cta, slices, key_blocks;
+
+  __device__ KeyWork Work(const Shape& s) const {
+    KeyWork w{};
+    int item = static_cast<int>(blockIdx.x);
+    const int slice = item % slices;
+    item /= slices;
+    const int kb = item % key_blocks;
+    item /= key_blocks;
+    const int key0 = kb * kBlock, first = key0 + slice * queries_per_cta;
+    const int end = static_cast<int>(min(static_cast<int64_t>(s.T), static_cast<int64_t>(key0) + kBlock + window - 1));
+    if (first >= end) return w;
+    w.b = item / s.G;
+    w.g = item % s.G;
+    w.keys = {key0, min(kBlock, s.T - key0)};
+    w.num_queries = min(queries_per_cta, end - first);
+    w.query_base = first;
+    w.valid = true;
+    return w;
+  }
+  __device__ int Query(const KeyWork& w, int i) const { return static_cast<int>(w.query_base) + i; }
+  __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t && key > t - window; }
+};
+
+// Positions per backward work item: the default, and the most a CTA holds (its positions
+// sit in shared memory).
+constexpr int kWindowQueriesPerCta = 128;
+constexpr int kWindowMaxQueriesPerCta = 320;
+
 }  // namespace
 
-void SetWindowKernelChoiceForTesting(const WindowKernelChoice& choice) { window_choice = choice.forward; }
-WindowKernelChoice GetWindowKernelChoice() { return {window_choice.load()}; }
+void SetWindowKernelChoiceForTesting(const WindowKernelChoice& choice) {
+  window_forward = choice.forward;
+  window_backward = choice.backward;
+  window_queries_per_item = choice.queries_per_item;
+}
+WindowKernelChoice GetWindowKernelChoice() {
+  return {window_forward.load(), window_backward.load(), window_queries_per_item.load()};
+}
 
 // Auto takes the tiled forward at head_dim 64 only. Measured on H100 (nsa_bench window
 // forward, ms, FlashAttention-2 -> tiled): B16 T2048 D64 12:2 0.479 -> 0.307, 64:4 2.626 ->
 // 1.446, 64k D64 12:2 1.109 -> 0.644, 64:4 5.970 -> 3.184; but D128 12:2 0.507 -> 0.561 and
 // 64:4 2.515 -> 2.713 (one m16 tile per warp there: twice the shared-memory reads per product).
 bool UseTiledWindowForward(const at::Tensor& q) {
-  const auto forward = window_choice.load();
+  const auto forward = window_forward.load();
   const bool applies = q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128);
   TORCH_CHECK(forward != WindowKernelChoice::Forward::kTiled || applies,
               "WindowKernelChoice: the tiled window forward takes bf16/fp16 with head_dim 64 or 128");
@@ -75,6 +124,74 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
     });
   });
   return {out, lse};
+}
+
+}  // namespace nsad::nsa::cuda::detail
+
+namespace nsad::nsa::cuda::detail {
+
+// Auto takes the warpgroup-MMA backward at head_dim 64 only. Measured on H100 (nsa_bench, one
+// NSA layer forward+backward, FlashAttention-2's window backward -> this one, two rounds):
+// B16 T2048 D64 12:2 3.472-3.485 -> 3.429-3.447 ms (ncu: 0.590 + 0.073 + 0.057 ms of
+// FlashAttention-2 kernels -> 0.601 ms kernel + 0.036 delta + conversions), 64k D64 12:2
+// 14.477 -> 14.460 ms; but 64k D128 12:2 26.447 -> 26.537 (the D=128 build spills).
+bool UseWgmmaWindowBackward(const at::Tensor& q) {
+  const auto backward = window_backward.load();
+  if (backward == WindowKernelChoice::Backward::kFlash) return false;
+  const bool applies = q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128) && WgmmaRunsHere();
+  TORCH_CHECK(backward != WindowKernelChoice::Backward::kWgmma || applies,
+              "WindowKernelChoice: the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128 on an "
+              "sm_90 device (kernels built for sm_90a)");
+  return backward == WindowKernelChoice::Backward::kWgmma || (applies && q.size(3) == 64);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout_in, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              int64_t window) {
+  CheckInput(q, "q", 4);
+  CheckInput(k, "k", 4);
+  CheckInput(v, "v", 4);
+  CheckKv(q, k, v);
+  TORCH_CHECK(k.size(1) == q.size(1), "k must have as many positions as q");
+  TORCH_CHECK(window > 0 && window <= INT32_MAX - 2 * kBlock, "window must be positive, got ", window);
+  TORCH_CHECK(q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128),
+              "the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128");
+  TORCH_CHECK(out.sizes() == q.sizes() && dout_in.sizes() == q.sizes(), "out and dout must be shaped like q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == q.size(0) &&
+                  lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+              "lse must be float32 [B,T,H]");
+  const auto dout = dout_in.contiguous();
+  const Shape s = MakeShape(q, k);
+  const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
+  const auto delta = RowDot(dout, out);
+  auto dq_acc = ZeroFloats(q.sizes(), q.options());
+  auto dk_acc = ZeroFloats(k.sizes(), k.options());
+  auto dv_acc = ZeroFloats(v.sizes(), v.options());
+  const int key_blocks = (s.T + kBlock - 1) / kBlock;
+  const int64_t span = std::min<int64_t>(s.T, kBlock + window - 1);  // positions of one block, at most
+  const int forced = window_queries_per_item.load();
+  TORCH_CHECK(forced >= 0 && forced <= kWindowMaxQueriesPerCta, "WindowKernelChoice: queries_per_item must be in [1, ",
+              kWindowMaxQueriesPerCta, "] or 0 (the default), got ", forced);
+  const int per_item = forced > 0 ? forced : kWindowQueriesPerCta;
+  const int slices = static_cast<int>((span + per_item - 1) / per_item);
+  const WindowKeyPolicy pol{static_cast<int>(window), per_item, slices, key_blocks};
+  const int64_t grid = static_cast<int64_t>(s.B) * s.G * key_blocks * slices;
+  TORCH_CHECK(grid <= INT32_MAX, "window backward: too many work items (", grid, ")");
+  if (grid > 0) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "nsa_window_bwd", [&] {
+      DispatchHeadDim(s.D, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        using Cfg = dkdv_wgmma::Cfg<D, kWindowMaxQueriesPerCta>;
+        LaunchKernel(dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, D, true, kWindowMaxQueriesPerCta, WindowKeyPolicy>,
+                     dim3(static_cast<unsigned>(grid)), Cfg::kThreads, Cfg::kBytes, q.data_ptr<scalar_t>(),
+                     k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                     delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(),
+                     dq_acc.data_ptr<float>(), s, pol, scale);
+      });
+    });
+  }
+  return {dq_acc.to(q.scalar_type()), dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
 }
 
 }  // namespace nsad::nsa::cuda::detail

@@ -15,7 +15,7 @@
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//               [--win-fwd auto|flash|tiled] [--tiled-mma auto|sync|wgmma] [--gate-stats 0]
+//               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma] [--gate-stats 0]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -30,7 +30,8 @@
 // query-side kernel or fused into the dK/dV kernel), its forward kernel and its dK/dV kernel
 // (kernels/kernel_choice.h),
 // for A/B runs of the training step in one invocation, and --win-fwd the window branch's
-// forward (the tiled kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
+// forward (the tiled kernel or FlashAttention-2's), --win-bwd its backward (the warpgroup-MMA
+// kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
 // instructions (mma.sync or warpgroup MMAs); auto (the default) is the dispatch training
 // uses.
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
@@ -391,14 +392,17 @@ int main(int argc, char** argv) {
       opt.gate_stats = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
-    } else if (flag == "--win-fwd") {
+    } else if (flag == "--win-fwd" || flag == "--win-bwd") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      nsad::nsa::cuda::detail::WindowKernelChoice choice;
-      if (!nsad::bench::ParseChoiceFlag("--win-fwd", nsad::bench::kWinFwdNames, value, choice.forward)) return 2;
+      auto choice = nsad::nsa::cuda::detail::GetWindowKernelChoice();  // keeps the other flag's half
+      const bool ok = flag == "--win-fwd"
+                          ? nsad::bench::ParseChoiceFlag("--win-fwd", nsad::bench::kWinFwdNames, value, choice.forward)
+                          : nsad::bench::ParseChoiceFlag("--win-bwd", nsad::bench::kWinBwdNames, value, choice.backward);
+      if (!ok) return 2;
       nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(choice);
-      std::printf("# window forward: %s\n", value.c_str());
+      std::printf("# window %s: %s\n", flag == "--win-fwd" ? "forward" : "backward", value.c_str());
 #else
-      std::fprintf(stderr, "--win-fwd needs the CUDA kernels (this build has none)\n");
+      std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
     } else if (flag == "--tiled-mma") {

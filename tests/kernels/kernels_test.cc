@@ -627,6 +627,80 @@ TEST_P(KernelsTest, SlidingWindowRejectsATiledForwardItCannotRun) {
   EXPECT_THROW(cuda::SlidingWindowAttention(q, kv, kv, geo_), c10::Error);
 }
 
+// Each window backward after each window forward: the warpgroup-MMA backward (the default on
+// an sm_90 device, head_dim 64 and 128) reads the log-sum-exp in the tiled forward's layout,
+// FlashAttention-2's in its own, so each pairing checks the conversion it needs, if any.
+TEST_P(KernelsTest, SlidingWindowEachBackwardAfterEachForward) {
+  using Win = cuda::detail::WindowKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "fp32 has the masked path only";
+  for (const Win::Backward backward : {Win::Backward::kFlash, Win::Backward::kWgmma}) {
+    if (backward == Win::Backward::kWgmma && !cuda::detail::WgmmaRunsHere()) continue;
+    for (const Win::Forward forward : {Win::Forward::kFlash, Win::Forward::kTiled}) {
+      SCOPED_TRACE(std::string(forward == Win::Forward::kFlash ? "flash" : "tiled") + " forward, " +
+                   (backward == Win::Backward::kFlash ? "flash" : "wgmma") + " backward");
+      const cuda::detail::ScopedWindowKernelChoice force({forward, backward});
+      CheckSlidingWindow();
+    }
+  }
+}
+
+// A window of one key makes each row's softmax that key alone (P = 1), so the backward is
+// known exactly: dS = P (dO.V - dO.O) = 0, so dQ = dK = 0, and dV of a position is the sum
+// of dO over the group's heads at that position. A mask that let in any other key would give
+// those keys P > 0 and move dV off that sum.
+TEST_P(KernelsTest, WgmmaWindowBackwardWindowOfOne) {
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto dout = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto [out, lse] = cuda::detail::WindowForward(q, k, v, 1);
+  Poison();
+  const auto [dq, dk, dv] = cuda::detail::WindowBackward(dout, q, k, v, out, lse, 1);
+  const auto head_sum = dout.to(torch::kFloat).view({kBatch, c.T, c.G, c.H / c.G, c.D}).sum(3);
+  ExpectClose(dv, head_sum, "dv");
+  ExpectClose(dq, torch::zeros_like(dq), "dq");
+  ExpectClose(dk, torch::zeros_like(dk), "dk");
+}
+
+// The warpgroup-MMA window backward with other slices of a key block's positions per work
+// item: one position (a slice per position, every dK/dV row added from many CTAs), 24, and
+// the most a CTA holds (320: one or two slices per block); out of range fails the call.
+TEST_P(KernelsTest, WgmmaWindowBackwardAnyPositionsPerItem) {
+  using Win = cuda::detail::WindowKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
+  for (const int per_item : {1, 24, 320}) {
+    SCOPED_TRACE(std::to_string(per_item) + " positions per item");
+    const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma, per_item});
+    CheckSlidingWindow();
+  }
+  const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma, 321});
+  const auto q = Random({1, c.T, c.H, c.D});
+  const auto kv = Random({1, c.T, c.G, c.D});
+  auto out = cuda::SlidingWindowAttention(q, kv, kv, geo_);
+  try {
+    out.backward(torch::ones_like(out));
+    ADD_FAILURE() << "a backward with 321 positions per item ran";
+  } catch (const std::exception& e) {  // rethrown by the autograd engine
+    EXPECT_NE(std::string(e.what()).find("queries_per_item"), std::string::npos) << e.what();
+  }
+}
+
+// The warpgroup-MMA window backward takes bf16/fp16 on an sm_90 device: forcing it elsewhere
+// (fp32 here) fails the call instead of running another backward.
+TEST_P(KernelsTest, SlidingWindowRejectsAWgmmaBackwardItCannotRun) {
+  using Win = cuda::detail::WindowKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype != torch::kFloat) GTEST_SKIP() << "fp32 only";
+  const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma});
+  const auto q = torch::randn({1, c.T, c.H, c.D}, Opts());
+  const auto kv = torch::randn({1, c.T, c.G, c.D}, Opts());
+  EXPECT_THROW(cuda::SlidingWindowAttention(q, kv, kv, geo_), c10::Error);
+}
+
 // The tiled forward (the selected branch's kTiled forward and the window forward) on each
 // kind of matrix instruction it has: mma.sync, and at head_dim 64 on an sm_90 device the
 // warpgroup MMAs, which the default takes there (so the other tests run them too).
