@@ -288,17 +288,19 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[kN / 8][4], float (&o)[
   const int c = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    // The max over the raw scores (scale_log2 > 0 keeps their order), so the scale folds into
+    // one FMA per score below instead of a multiply and a subtraction.
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[j][2 * half + e];
-        x = allowed(half, 8 * j + 2 * c + e) ? x * scale_log2 : -INFINITY;
+        x = allowed(half, 8 * j + 2 * c + e) ? x : -INFINITY;
         mx = fmaxf(mx, x);
       }
     }
-    const float m_new = fmaxf(m[half], QuadMax(mx));
+    const float m_new = fmaxf(m[half], QuadMax(mx) * scale_log2);
     const float base = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: p = 0
     const float alpha = Exp2(m[half] - base);
     float sum = 0.f;
@@ -307,7 +309,7 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[kN / 8][4], float (&o)[
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[j][2 * half + e];
-        x = Exp2(x - base);
+        x = Exp2(fmaf(x, scale_log2, -base));
         sum += x;
       }
     }

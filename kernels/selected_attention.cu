@@ -335,6 +335,12 @@ struct ChosenBlocksWalk {
   __device__ bool Sees(int blk, int pos, int t, int key) const {
     return ((chosen[blk] >> pos) & 1u) != 0u && key <= t;
   }
+  // Block-relative keys [lo, hi] that row (pos, t) sees: Sees as one range (empty if the
+  // position did not choose the block).
+  __device__ void RowKeys(int blk, int pos, int t, int key0, int count, int& lo, int& hi) const {
+    lo = 0;
+    hi = ((chosen[blk] >> pos) & 1u) != 0u ? min(count - 1, t - key0) : -1;
+  }
 };
 
 // Which query-side tensor-core kernel runs. A forced choice wins (tests cover both paths on

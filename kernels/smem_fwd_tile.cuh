@@ -338,12 +338,21 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::Commit();
       wgmma::Wait<0>();
       wgmma::FenceRegisters(sc);
-      mma::OnlineSoftmax<D, kN>(
-          sc, st.o[0], st.m[0], st.l[0], scale_log2,
-          [&](int h, int key) {
-            return key < count && (every_row || walk.Sees(blk, lr.pos[0][h], t0 + lr.pos[0][h], key0 + key));
-          },
-          lane);
+      if (every_row && count == kN) {  // CTA-uniform: no test per score
+        mma::OnlineSoftmax<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, [](int, int) { return true; }, lane);
+      } else {
+        // Each of the lane's two rows sees one range of the block's keys [lo, hi] (empty when
+        // lo > hi): worked out once per row, not per score.
+        int lo[2], hi[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          walk.RowKeys(blk, lr.pos[0][h], t0 + lr.pos[0][h], key0, count, lo[h], hi[h]);
+          if (every_row) lo[h] = 0, hi[h] = count - 1;
+        }
+        mma::OnlineSoftmax<D, kN>(
+            sc, st.o[0], st.m[0], st.l[0], scale_log2, [&](int h, int key) { return key >= lo[h] && key <= hi[h]; },
+            lane);
+      }
       uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);

@@ -45,6 +45,12 @@ struct WindowWalk {
     return key0 > t_last - window && key0 + count - 1 <= t0;
   }
   __device__ bool Sees(int, int, int t, int key) const { return key <= t && key > t - window; }
+  // Block-relative keys [lo, hi] that row t sees: Sees as one range.
+  __device__ void RowKeys(int, int, int t, int key0, int count, int& lo, int& hi) const {
+    const int d = t - key0;  // (d >= window first: no overflow for any window)
+    lo = d >= window ? d - window + 1 : 0;
+    hi = min(count - 1, d);
+  }
 };
 
 // The backward's work split: CTA -> (b, g, 64-key block, slice). Keys key0 .. key0 + 63 are
