@@ -332,11 +332,8 @@ struct ChosenBlocksWalk {
   __device__ bool EveryRowSeesAll(int blk, int key0, int count) const {
     return (chosen[blk] & all_rows) == all_rows && key0 + count - 1 <= t0;
   }
-  __device__ bool Sees(int blk, int pos, int t, int key) const {
-    return ((chosen[blk] >> pos) & 1u) != 0u && key <= t;
-  }
-  // Block-relative keys [lo, hi] that row (pos, t) sees: Sees as one range (empty if the
-  // position did not choose the block).
+  // Block-relative keys [lo, hi] that row (pos, t) sees: the causal ones if the position
+  // chose the block, none otherwise.
   __device__ void RowKeys(int blk, int pos, int t, int key0, int count, int& lo, int& hi) const {
     lo = 0;
     hi = ((chosen[blk] >> pos) & 1u) != 0u ? min(count - 1, t - key0) : -1;

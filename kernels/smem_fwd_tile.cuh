@@ -170,7 +170,10 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
 //   First() / Next(blk)               CTA-uniform block sequence, -1 at the end
 //   Start(blk) / Count(s, blk)        the block's keys [Start, Start + Count), Count <= 64
 //   EveryRowSeesAll(blk, key0, count) CTA-uniform: no per-row test needed
-//   Sees(blk, pos, t, key)            row of position t (t0 + pos) may attend key
+//   RowKeys(blk, pos, t, key0, count, lo, hi)  the block-relative keys [lo, hi] the row of
+//                                     position t (t0 + pos) attends, one range per row
+//                                     (empty when lo > hi): worked out once per row and
+//                                     block instead of a test per score
 template <int D>
 struct TiledCfg {
   static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
@@ -239,12 +242,25 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
       const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
       float sc[kM][kN / 8][4];
       Scores<kBf16, D, kM, kN>(sc, qf, buf, lane);
-      SoftmaxPV<kBf16, D, kM, kN>(
-          st, sc, buf + Cfg::kTileBytes, scale_log2,
-          [&](int m, int h, int key) {
-            return key < count && (every_row || walk.Sees(blk, lr.pos[m][h], t0 + lr.pos[m][h], key0 + key));
-          },
-          lane);
+      if (every_row && count == kN) {  // CTA-uniform: no test per score
+        SoftmaxPV<kBf16, D, kM, kN>(st, sc, buf + Cfg::kTileBytes, scale_log2, [](int, int, int) { return true; },
+                                    lane);
+      } else {
+        // Each of the lane's rows sees one range of the block's keys [lo, hi], worked out once
+        // per row, as in the warpgroup-MMA kernel below.
+        int lo[kM][2], hi[kM][2];
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            walk.RowKeys(blk, lr.pos[m][h], t0 + lr.pos[m][h], key0, count, lo[m][h], hi[m][h]);
+            if (every_row) lo[m][h] = 0, hi[m][h] = count - 1;
+          }
+        }
+        SoftmaxPV<kBf16, D, kM, kN>(
+            st, sc, buf + Cfg::kTileBytes, scale_log2,
+            [&](int m, int h, int key) { return key >= lo[m][h] && key <= hi[m][h]; }, lane);
+      }
     }
     blk = nxt;
   }

@@ -44,8 +44,7 @@ struct WindowWalk {
   __device__ bool EveryRowSeesAll(int, int key0, int count) const {
     return key0 > t_last - window && key0 + count - 1 <= t0;
   }
-  __device__ bool Sees(int, int, int t, int key) const { return key <= t && key > t - window; }
-  // Block-relative keys [lo, hi] that row t sees: Sees as one range.
+  // Block-relative keys [lo, hi] that row t sees: keys (t - window, t].
   __device__ void RowKeys(int, int, int t, int key0, int count, int& lo, int& hi) const {
     const int d = t - key0;  // (d >= window first: no overflow for any window)
     lo = d >= window ? d - window + 1 : 0;
