@@ -2,8 +2,9 @@
 // (kernels/compressed_attention.cu), window-forward (kernels/window_attention.cu) and
 // tiled-forward (kernels/smem_fwd_tile.cuh) kernels run: process-wide choices for tests and
 // benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
-// --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel / --win-fwd / --tiled-mma compares them in
-// one binary (train_bench: --slc-fwd / --slc-dq / --win-fwd / --tiled-mma).
+// --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel / --win-fwd / --win-bwd / --win-qpc /
+// --tiled-mma compares them in one binary (train_bench: --slc-fwd / --slc-dq / --slc-dkdv /
+// --win-fwd / --win-bwd / --tiled-mma).
 // Nothing else sets them, so training runs the default: everything kAuto, the dispatch
 // measured in docs/PERFORMANCE.md. There is no environment switch: a forced choice is
 // visible in the code that sets it.
