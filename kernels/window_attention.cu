@@ -81,6 +81,18 @@ struct WindowKeyPolicy {
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t && key > t - window; }
 };
 
+// q [B,T,H,D], k and v [B,T,G,D] of the same length, and a window the kernels' 32-bit
+// position arithmetic holds (t - window, key0 + 64 + window computed in 64 bits).
+void CheckWindowInputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t window) {
+  CheckInput(q, "q", 4);
+  CheckInput(k, "k", 4);
+  CheckInput(v, "v", 4);
+  CheckKv(q, k, v);
+  TORCH_CHECK(k.size(1) == q.size(1), "k must have as many positions as q");
+  TORCH_CHECK(window > 0 && window <= INT32_MAX - 2 * kBlock, "window must be in [1, ", INT32_MAX - 2 * kBlock,
+              "], got ", window);
+}
+
 // Positions per backward work item: the default, and the most a CTA holds (its positions
 // sit in shared memory).
 constexpr int kWindowQueriesPerCta = 128;
@@ -112,12 +124,7 @@ bool UseTiledWindowForward(const at::Tensor& q) {
 
 std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  int64_t window) {
-  CheckInput(q, "q", 4);
-  CheckInput(k, "k", 4);
-  CheckInput(v, "v", 4);
-  CheckKv(q, k, v);
-  TORCH_CHECK(k.size(1) == q.size(1), "k must have as many positions as q");
-  TORCH_CHECK(window > 0 && window <= INT32_MAX, "window must be positive, got ", window);
+  CheckWindowInputs(q, k, v, window);
   TORCH_CHECK(q.scalar_type() != at::kFloat, "the tiled window forward takes bf16/fp16");
   const Shape s = MakeShape(q, k);
   auto out = at::empty_like(q);
@@ -154,12 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& 
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
                                                               int64_t window) {
-  CheckInput(q, "q", 4);
-  CheckInput(k, "k", 4);
-  CheckInput(v, "v", 4);
-  CheckKv(q, k, v);
-  TORCH_CHECK(k.size(1) == q.size(1), "k must have as many positions as q");
-  TORCH_CHECK(window > 0 && window <= INT32_MAX - 2 * kBlock, "window must be positive, got ", window);
+  CheckWindowInputs(q, k, v, window);
   TORCH_CHECK(q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128),
               "the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128");
   TORCH_CHECK(out.sizes() == q.sizes() && dout_in.sizes() == q.sizes(), "out and dout must be shaped like q");
