@@ -174,6 +174,22 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
 //                                     position t (t0 + pos) attends, one range per row
 //                                     (empty when lo > hi): worked out once per row and
 //                                     block instead of a test per score
+// The block-relative keys [lo, hi] (empty when lo > hi) each of the lane's rows attends in
+// block blk: the whole block when every row sees all of it, else the walk's RowKeys. Worked
+// out once per row and block, so the softmax's mask is two compares per score.
+template <int kM, typename Walk>
+__device__ __forceinline__ void RowKeyRanges(const Walk& walk, const LaneRows<kM>& lr, int t0, int blk, int key0,
+                                             int count, bool every_row, int (&lo)[kM][2], int (&hi)[kM][2]) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      walk.RowKeys(blk, lr.pos[m][h], t0 + lr.pos[m][h], key0, count, lo[m][h], hi[m][h]);
+      if (every_row) lo[m][h] = 0, hi[m][h] = count - 1;
+    }
+  }
+}
+
 template <int D>
 struct TiledCfg {
   static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
@@ -246,17 +262,8 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
         SoftmaxPV<kBf16, D, kM, kN>(st, sc, buf + Cfg::kTileBytes, scale_log2, [](int, int, int) { return true; },
                                     lane);
       } else {
-        // Each of the lane's rows sees one range of the block's keys [lo, hi], worked out once
-        // per row, as in the warpgroup-MMA kernel below.
         int lo[kM][2], hi[kM][2];
-#pragma unroll
-        for (int m = 0; m < kM; ++m) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            walk.RowKeys(blk, lr.pos[m][h], t0 + lr.pos[m][h], key0, count, lo[m][h], hi[m][h]);
-            if (every_row) lo[m][h] = 0, hi[m][h] = count - 1;
-          }
-        }
+        RowKeyRanges<kM>(walk, lr, t0, blk, key0, count, every_row, lo, hi);
         SoftmaxPV<kBf16, D, kM, kN>(
             st, sc, buf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return key >= lo[m][h] && key <= hi[m][h]; }, lane);
@@ -357,17 +364,11 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       if (every_row && count == kN) {  // CTA-uniform: no test per score
         mma::OnlineSoftmax<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, [](int, int) { return true; }, lane);
       } else {
-        // Each of the lane's two rows sees one range of the block's keys [lo, hi] (empty when
-        // lo > hi): worked out once per row, not per score.
-        int lo[2], hi[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          walk.RowKeys(blk, lr.pos[0][h], t0 + lr.pos[0][h], key0, count, lo[h], hi[h]);
-          if (every_row) lo[h] = 0, hi[h] = count - 1;
-        }
+        int lo[1][2], hi[1][2];
+        RowKeyRanges<1>(walk, lr, t0, blk, key0, count, every_row, lo, hi);
         mma::OnlineSoftmax<D, kN>(
-            sc, st.o[0], st.m[0], st.l[0], scale_log2, [&](int h, int key) { return key >= lo[h] && key <= hi[h]; },
-            lane);
+            sc, st.o[0], st.m[0], st.l[0], scale_log2,
+            [&](int h, int key) { return key >= lo[0][h] && key <= hi[0][h]; }, lane);
       }
       uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
 #pragma unroll
