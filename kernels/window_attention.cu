@@ -138,10 +138,6 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
   return {out, lse};
 }
 
-}  // namespace nsad::nsa::cuda::detail
-
-namespace nsad::nsa::cuda::detail {
-
 // Auto takes the warpgroup-MMA backward at head_dim 64 only. Measured on H100 (nsa_bench, one
 // NSA layer forward+backward, FlashAttention-2's window backward -> this one, two rounds):
 // B16 T2048 D64 12:2 3.472-3.485 -> 3.429-3.447 ms (ncu: 0.590 + 0.073 + 0.057 ms of
