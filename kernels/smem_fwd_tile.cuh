@@ -215,6 +215,32 @@ __device__ __forceinline__ void StageWalkBlock(uint32_t dst, const scalar_t* k, 
   mma::StageTileAsync<D, kN, kCtaThreads>(dst + kN * D * 2, v + KeyOffset(s, b, key0, grp), kv_stride, count);
 }
 
+// The block walk both tiled kernels share: each of the walk's blocks is staged into one of two
+// stages at smem_base (the next block's copy issued once this one has landed, so it overlaps
+// this block's products), then body(blk, stage address) runs on it. kTensorCores: the stages
+// are read by warpgroup MMAs, so each thread fences its copies for them before the barrier.
+template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk,
+          typename Body>
+__device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
+                                                 const Shape& s, const Walk& walk, int b, int grp, Body&& body) {
+  const auto stage = [&](int blk, int buf) {
+    StageWalkBlock<D, kN, kCtaThreads>(smem_base + buf * kStageBytes, k, v, s, walk, b, grp, blk);
+  };
+  int blk = walk.First();
+  if (blk >= 0) stage(blk, 0);
+  mma::CpAsyncCommit();
+  for (int it = 0; blk >= 0; ++it) {
+    const int nxt = walk.Next(blk + 1);
+    mma::CpAsyncWaitAll();
+    if constexpr (kTensorCores) wgmma::FenceProxyAsync();  // visible to the tensor cores after the barrier
+    __syncthreads();  // this block landed for everyone; everyone (every MMA) is done with the other stage
+    if (nxt >= 0) stage(nxt, (it + 1) & 1);
+    mma::CpAsyncCommit();
+    body(blk, smem_base + (it & 1) * kStageBytes);
+    blk = nxt;
+  }
+}
+
 template <typename scalar_t, int D, typename Walk>
 __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
     TiledFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k, const scalar_t* __restrict__ v,
@@ -239,21 +265,8 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
   State<D, kM> st;
   st.Init();
 
-  const auto stage = [&](int blk, int buf) {
-    StageWalkBlock<D, kN, Cfg::kThreads>(smem_base + buf * Cfg::kStageBytes, k, v, s, walk, b, grp, blk);
-  };
-
-  int blk = walk.First();
-  if (blk >= 0) stage(blk, 0);
-  mma::CpAsyncCommit();
-  for (int it = 0; blk >= 0; ++it) {
-    const int nxt = walk.Next(blk + 1);
-    mma::CpAsyncWaitAll();
-    __syncthreads();  // this block landed for everyone; everyone is done with the other buffer
-    if (nxt >= 0) stage(nxt, (it + 1) & 1);
-    mma::CpAsyncCommit();
+  const auto block = [&](int blk, uint32_t buf) {
     if (active) {
-      const uint32_t buf = smem_base + (it & 1) * Cfg::kStageBytes;
       const int key0 = walk.Start(blk), count = walk.Count(s, blk);
       const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
       float sc[kM][kN / 8][4];
@@ -269,8 +282,8 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
             [&](int m, int h, int key) { return key >= lo[m][h] && key <= hi[m][h]; }, lane);
       }
     }
-    blk = nxt;
-  }
+  };
+  WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, false>(smem_base, k, v, s, walk, b, grp, block);
   Finish<kBf16, D, kM>(st, out, lse, lr.index, lr.valid, lane);
 }
 
@@ -331,22 +344,9 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
   State<D, 1> st;
   st.Init();
 
-  const auto stage = [&](int blk, int buf) {
-    StageWalkBlock<D, kN, Cfg::kThreads>(smem_base + buf * Cfg::kStageBytes, k, v, s, walk, b, grp, blk);
-  };
-
-  int blk = walk.First();
-  if (blk >= 0) stage(blk, 0);
-  mma::CpAsyncCommit();
-  for (int it = 0; blk >= 0; ++it) {
-    const int nxt = walk.Next(blk + 1);
-    mma::CpAsyncWaitAll();
-    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
-    __syncthreads();           // this block landed for everyone; every MMA on the other buffer is done
-    if (nxt >= 0) stage(nxt, (it + 1) & 1);
-    mma::CpAsyncCommit();
+  const auto block = [&](int blk, uint32_t kbuf) {
     if (active) {
-      const uint32_t kbuf = smem_base + (it & 1) * Cfg::kStageBytes, vbuf = kbuf + Cfg::kTileBytes;
+      const uint32_t vbuf = kbuf + Cfg::kTileBytes;
       const int key0 = walk.Start(blk), count = walk.Count(s, blk);
       const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
       float sc[kN / 8][4];
@@ -383,8 +383,8 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::Wait<0>();
       wgmma::FenceRegisters(st.o[0]);
     }
-    blk = nxt;
-  }
+  };
+  WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);
   Finish<kBf16, D, 1>(st, out, lse, lr.index, lr.valid, lane);
 }
 
