@@ -35,24 +35,32 @@
 namespace nsad::nsa::cuda::detail::dkdv_wgmma {
 
 // Shared memory from a 1 KB-aligned base (the swizzle's period): the block's K and V rows,
-// two buffers each of staged Q and dO rows (each kHalves [64][64] tiles), the dS^T tile, two
-// buffers of per-row metadata (lse, delta, position as float bits), then the item's positions.
+// kBufs buffers each of staged Q and dO rows (each kHalves [64][64] tiles), kDsBufs dS^T
+// tiles, kBufs buffers of per-row metadata (lse, delta, position as float bits), then the
+// item's positions.
 template <int D, int kMaxQueries>
 struct Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kHalves = D / 64;  // 64-column tiles per row
   static constexpr int kThreads = wgmma::kWarpgroupThreads;
   static constexpr int kRows = 64;  // query rows per step: the N of S^T and dP^T
-  // D=64: 208-214 registers, no spills. A 3-CTA budget (168 registers, 24-68 bytes of
-  // spill) was no faster on H100: selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms
-  // against 1.23-1.31, 64k forward+backward 14.60 against 14.51 ms. D=128 holds twice the
-  // dK/dV accumulators: one CTA's budget (255 registers, 64-72 bytes of spill).
+  // D=64: a 3-CTA budget (168 registers, 24-68 bytes of spill) was no faster on H100:
+  // selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms against 1.23-1.31, 64k
+  // forward+backward 14.60 against 14.51 ms. D=128 holds twice the dK/dV accumulators: one
+  // CTA's budget (255 registers, 64-72 bytes of spill).
   static constexpr int kMinCtas = D == 64 ? 2 : 1;
+  // D=64 overlaps each step's dV/dK and dQ products and its dQ adds with the next step's
+  // S^T and dP^T (the registers of both steps fit the 2-CTA budget), so a step's rows are
+  // staged two steps ahead (three buffers) and dS^T alternates between two tiles. D=128 has
+  // no registers to spare and runs the steps one after another.
+  static constexpr bool kOverlap = D == 64;
+  static constexpr int kBufs = kOverlap ? 3 : 2, kDsBufs = kOverlap ? 2 : 1;
   static constexpr int kTileBytes = 64 * 64 * 2;       // 8 KB: one [64][64] 16-bit tile
   static constexpr int kRowsBytes = kHalves * kTileBytes;  // 64 rows of D
-  static constexpr int kK = 0, kV = kRowsBytes, kQ = 2 * kRowsBytes, kDo = 4 * kRowsBytes, kDs = 6 * kRowsBytes;
-  static constexpr int kMeta = kDs + kTileBytes;
-  static constexpr int kPos = kMeta + 2 * kRows * 16;
+  static constexpr int kK = 0, kV = kRowsBytes, kQ = 2 * kRowsBytes, kDo = kQ + kBufs * kRowsBytes;
+  static constexpr int kDs = kDo + kBufs * kRowsBytes;
+  static constexpr int kMeta = kDs + kDsBufs * kTileBytes;
+  static constexpr int kPos = kMeta + kBufs * kRows * 16;
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
   static constexpr int kBytes = kAlignSlack + kPos + 4 * kMaxQueries;
 };
@@ -82,16 +90,18 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
   }
 }
 
-// acc += A B^T for two sets of 64 rows of D = 64 kHalves elements, each staged as kHalves
+// acc = A B^T for two sets of 64 rows of D = 64 kHalves elements, each staged as kHalves
 // swizzled [64][64] tiles 8 KB apart at smem addresses a and b: the contraction runs over D,
-// four k16 steps per tile, both operands K-major. Issues the MMAs only (Commit/Wait follow).
+// four k16 steps per tile, both operands K-major. The first step overwrites acc. Issues the
+// MMAs only (Commit/Wait follow).
 template <bool kBf16, int kHalves>
 __device__ __forceinline__ void RowsTimesRowsT(float (&acc)[8][4], uint32_t a, uint32_t b) {
   constexpr uint32_t kTileBytes = 64 * 64 * 2;
+  wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(acc, wgmma::KMajorTileStep(a, 0), wgmma::KMajorTileStep(b, 0));
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = h == 0 ? 1 : 0; kk < 4; ++kk) {
       wgmma::MmaM64N64K16Smem<kBf16, false, false>(acc, wgmma::KMajorTileStep(a + h * kTileBytes, kk),
                                                    wgmma::KMajorTileStep(b + h * kTileBytes, kk));
     }
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     key_cut[half] = kr < w.keys.count ? w.keys.start + kr : INT_MAX;
   }
   const float scale_log2 = scale * kLog2e;
-  const uint32_t ktile = base + C::kK, vtile = base + C::kV, dstile = base + C::kDs;
+  const uint32_t ktile = base + C::kK, vtile = base + C::kV;
   float dk[kHalves][8][4], dv[kHalves][8][4];  // columns 64 h .. 64 h + 63 of the keys' rows
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
@@ -176,53 +186,51 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       for (int e = 0; e < 4; ++e) dk[h][i][e] = dv[h][i][e] = 0.f;
     }
   }
+  const auto q_tile = [&](int buf) { return base + C::kQ + buf * C::kRowsBytes; };
+  const auto do_tile = [&](int buf) { return base + C::kDo + buf * C::kRowsBytes; };
 
-  stage(0, 0);
-  for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
-    mma::StageNextAndWait(r0, kR, total, buf, stage);
-    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
-    __syncthreads();
-    const uint32_t qt = base + C::kQ + buf * C::kRowsBytes, dot = base + C::kDo + buf * C::kRowsBytes;
-    const float4* m = meta + buf * kR;
-
-    float st[8][4], dpt[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
-    }
-    wgmma::FenceRegisters(st);
-    wgmma::FenceRegisters(dpt);
+  // The phases of a step over the rows staged in buffer buf; the schedules below order them.
+  float st[8][4], dpt[8][4];
+  // S^T = K Q^T and dP^T = V dO^T, issued and committed (one group).
+  const auto issue_scores = [&](int buf) {
     wgmma::Fence();
-    RowsTimesRowsT<kBf16, kHalves>(st, ktile, qt);
-    RowsTimesRowsT<kBf16, kHalves>(dpt, vtile, dot);
+    RowsTimesRowsT<kBf16, kHalves>(st, ktile, q_tile(buf));
+    RowsTimesRowsT<kBf16, kHalves>(dpt, vtile, do_tile(buf));
     wgmma::Commit();
-    wgmma::Wait<0>();
+  };
+  uint32_t pf[4][4], dsf[4][4];  // k16 step kk = query rows 16 kk .. 16 kk + 15
+  // P^T and dS^T from the finished S^T and dP^T, packed into A fragments. Accumulator
+  // element [j][2 half + e]: key row half, query row 8 j + 2 c + e of the step. Written to
+  // new registers, not over the accumulators: ptxas serialises the warpgroup MMAs where
+  // ordinary instructions write a product's accumulators (C7515).
+  const auto probabilities = [&](const float4* m) {
     wgmma::FenceRegisters(st);
     wgmma::FenceRegisters(dpt);
-
-    // Accumulator element [j][2 half + e]: key row half, query row 8 j + 2 c + e of the step.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float4 mr = m[8 * j + 2 * (lane & 3) + e];
-        const int t = __float_as_int(mr.z);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const bool seen = pol.Allowed(s, t, key_cut[half]);
-          const float p = seen ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
-          st[j][2 * half + e] = p;
-          dpt[j][2 * half + e] = p * (dpt[j][2 * half + e] - mr.y);
-        }
-      }
-    }
-    uint32_t pf[4][4], dsf[4][4];  // k16 step kk = query rows 16 kk .. 16 kk + 15
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      mma::PackA<kBf16>(pf[kk], st[2 * kk], st[2 * kk + 1]);
-      mma::PackA<kBf16>(dsf[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+      float p[2][4], ds[2][4];
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * kk + jj;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float4 mr = m[8 * j + 2 * (lane & 3) + e];
+          const int t = __float_as_int(mr.z);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const bool seen = pol.Allowed(s, t, key_cut[half]);
+            const float pe = seen ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
+            p[jj][2 * half + e] = pe;
+            ds[jj][2 * half + e] = pe * (dpt[j][2 * half + e] - mr.y);
+          }
+        }
+      }
+      mma::PackA<kBf16>(pf[kk], p[0], p[1]);
+      mma::PackA<kBf16>(dsf[kk], ds[0], ds[1]);
     }
+  };
+  // dV += P^T dO and dK += dS^T Q, issued and committed (one group).
+  const auto issue_dkdv = [&](int buf) {
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
       wgmma::FenceRegisters(dv[h]);
@@ -234,71 +242,135 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       const uint32_t off = h * C::kTileBytes;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::MnMajorTileStep(dot + off, kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::MnMajorTileStep(do_tile(buf) + off, kk));
       }
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::MnMajorTileStep(qt + off, kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::MnMajorTileStep(q_tile(buf) + off, kk));
       }
     }
     wgmma::Commit();
+  };
+  // dS^T into dS tile ds: key row kr holds the step's 64 query rows, 8 per swizzled 16-byte
+  // chunk; dsf[kk][i] is key 16 warp + g + 8 (i & 1), rows 16 kk + 8 (i >> 1) + 2c and + 1.
+  // Published by the caller's barrier.
+  const auto write_ds = [&](int ds) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kr = key_lo + g + 8 * (i & 1), row = 16 * kk + 8 * (i >> 1) + 2 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(gbase + C::kDs + ds * C::kTileBytes + mma::SwizzledOffset<64>(kr, row / 8) +
+                                     2 * (row % 8)) = dsf[kk][i];
+      }
+    }
+    wgmma::FenceProxyAsync();
+  };
+  // dQ = dS K for columns 64 h .. 64 h + 63: this thread's rows are the step's rows 16 warp
+  // + g and + 8. Issued and committed (one group).
+  const auto issue_dq = [&](float (&dq)[8][4], int ds, int h) {
+    wgmma::Fence();
+    const uint32_t dstile = base + C::kDs + ds * C::kTileBytes, kt = ktile + h * C::kTileBytes;
+    wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::MnMajorTileStep(dstile, 0),
+                                                     wgmma::MnMajorTileStep(kt, 0));
+#pragma unroll
+    for (int kk = 1; kk < 4; ++kk) {
+      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk), wgmma::MnMajorTileStep(kt, kk));
+    }
+    wgmma::Commit();
+  };
+  // The finished dQ columns of issue_dq, added into dq_acc.
+  const auto add_dq = [&](float (&dq)[8][4], const float4* m, int r0, int h) {
+    wgmma::FenceRegisters(dq);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = key_lo + g + 8 * i;
+      const int t = __float_as_int(m[row].z);
+      const int64_t dq_row = t >= 0 ? QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) : 0;
+      AtomicAddRowQuads(dq_acc + dq_row + 64 * h, dq, i, scale, t >= 0, lane);
+    }
+  };
 
-    if constexpr (kFusedDq) {
-      // dS^T into its tile while dV and dK run: key row kr holds the step's 64 query rows,
-      // 8 per swizzled 16-byte chunk; dsf[kk][i] is key 16 warp + g + 8 (i & 1), rows
-      // 16 kk + 8 (i >> 1) + 2c and + 1.
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int kr = key_lo + g + 8 * (i & 1), row = 16 * kk + 8 * (i >> 1) + 2 * (lane & 3);
-          *reinterpret_cast<uint32_t*>(gbase + C::kDs + mma::SwizzledOffset<64>(kr, row / 8) + 2 * (row % 8)) =
-              dsf[kk][i];
-        }
-      }
-      wgmma::FenceProxyAsync();
-      __syncthreads();  // the whole dS^T tile is written
-      // This thread's dQ rows are the step's rows 16 warp + g and + 8; one 64-column half of
-      // dQ at a time (its accumulators are then free for the next).
-      int64_t dq_row[2];
-      bool dq_ok[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int row = key_lo + g + 8 * i;
-        const int t = __float_as_int(m[row].z);
-        dq_ok[i] = t >= 0;
-        dq_row[i] = dq_ok[i] ? QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) : 0;
-      }
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        float dq[8][4];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
-        }
-        wgmma::FenceRegisters(dq);
-        wgmma::Fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk),
-                                                    wgmma::MnMajorTileStep(ktile + h * C::kTileBytes, kk));
-        }
-        wgmma::Commit();
-        wgmma::Wait<0>();
-        wgmma::FenceRegisters(dq);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) AtomicAddRowQuads(dq_acc + dq_row[i] + 64 * h, dq, i, scale, dq_ok[i], lane);
-      }
+  if constexpr (C::kOverlap) {
+    // Step i's products run while the warps work on step i - 1's dQ adds and step i + 1's
+    // S^T/dP^T wait in the queue behind step i's dV/dK and dQ:
+    //   wait S^T, dP^T (i); P^T, dS^T; issue dV/dK (i); dS^T (i) -> tile i % 2; barrier A;
+    //   issue dQ (i); stage rows of i + 2; wait rows of i + 1; barrier B; issue S^T, dP^T
+    //   (i + 1); wait dV/dK, dQ (i); add dQ (i).
+    // Barrier A: dS^T (i) is whole, and every warp is past step i - 1 (its products waited
+    // for, its metadata read), so buffer (i + 2) % 3 = (i - 1) % 3 and dS tile (i + 1) % 2
+    // are free. Barrier B publishes the rows of step i + 1.
+    static_assert(kHalves == 1, "the overlapped schedule holds one dQ tile");
+    stage(0, 0);
+    if (kR < total) stage(kR, 1);
+    if (kR < total) {
+      mma::CpAsyncWait<1>();
     } else {
+      mma::CpAsyncWait<0>();
+    }
+    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
+    __syncthreads();
+    issue_scores(0);
+    for (int r0 = 0, i = 0; r0 < total; r0 += kR, ++i) {
+      const int buf = i % 3, ds = i & 1;
+      const float4* m = meta + buf * kR;
       wgmma::Wait<0>();
+      probabilities(m);
+      issue_dkdv(buf);
+      if constexpr (kFusedDq) write_ds(ds);
+      __syncthreads();  // barrier A
+      float dq[8][4];
+      if constexpr (kFusedDq) issue_dq(dq, ds, 0);
+      const bool has_next = r0 + kR < total;
+      if (r0 + 2 * kR < total) {
+        stage(r0 + 2 * kR, (i + 2) % 3);
+        mma::CpAsyncWait<1>();
+      } else {
+        mma::CpAsyncWait<0>();
+      }
+      if (has_next) {
+        wgmma::FenceProxyAsync();
+        __syncthreads();  // barrier B
+        issue_scores((i + 1) % 3);
+        wgmma::Wait<1>();
+      } else {
+        wgmma::Wait<0>();
+      }
+      if constexpr (kFusedDq) add_dq(dq, m, r0, 0);
     }
+    wgmma::Wait<0>();  // a no-op (the last step waited for everything), which ptxas cannot see
+  } else {
+    stage(0, 0);
+    for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
+      mma::StageNextAndWait(r0, kR, total, buf, stage);
+      wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
+      __syncthreads();
+      const float4* m = meta + buf * kR;
+      issue_scores(buf);
+      wgmma::Wait<0>();
+      probabilities(m);
+      issue_dkdv(buf);
+      if constexpr (kFusedDq) {
+        write_ds(0);  // while dV and dK run
+        __syncthreads();  // the whole dS^T tile is written
+        // One 64-column half of dQ at a time (its accumulators are then free for the next).
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h) {
-      wgmma::FenceRegisters(dv[h]);
-      wgmma::FenceRegisters(dk[h]);
+        for (int h = 0; h < kHalves; ++h) {
+          float dq[8][4];
+          issue_dq(dq, 0, h);
+          wgmma::Wait<0>();
+          add_dq(dq, m, r0, h);
+        }
+      } else {
+        wgmma::Wait<0>();
+      }
+      __syncthreads();  // every product of this step is done with buf's tiles and the dS^T tile
     }
-    __syncthreads();  // every product of this step is done with buf's tiles and the dS^T tile
+  }
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    wgmma::FenceRegisters(dv[h]);
+    wgmma::FenceRegisters(dk[h]);
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

@@ -133,18 +133,21 @@ __device__ __forceinline__ void MmaM64N64K16(float (&d)[8][4], const uint32_t (&
 }
 
 // d += A B for one m64n64k16 step, both operands in shared memory through descriptors, each
-// K-major (false) or MN-major (true, transposed by the instruction). Asynchronous: d is
-// valid after Wait().
-template <bool kBf16, bool kTransA, bool kTransB>
+// K-major (false) or MN-major (true, transposed by the instruction). kOverwrite: d = A B, the
+// accumulators' old values ignored (the instruction's scale-d = 0), so a product needs no
+// zeroing instructions, which ptxas counts as writes into the asynchronous region of
+// products still running and answers by serialising them (C7515). Asynchronous: d is valid
+// after Wait().
+template <bool kBf16, bool kTransA, bool kTransB, bool kOverwrite = false>
 __device__ __forceinline__ void MmaM64N64K16Smem(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
 #if NSAD_WGMMA_AVAILABLE
 #define NSAD_WGMMA_SS_ASM(TYPE)                                                                                \
   asm volatile(                                                                                                \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
       NSAD_WGMMA_ACCUMULATOR_REGS                                                                              \
-      "%32, %33, 1, 1, 1, %34, %35;"                                                                           \
+      "%32, %33, %36, 1, 1, %34, %35;"                                                                         \
       : NSAD_WGMMA_ACCUMULATORS(d)                                                                             \
-      : "l"(desc_a), "l"(desc_b), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
+      : "l"(desc_a), "l"(desc_b), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0), "n"(kOverwrite ? 0 : 1))
   if constexpr (kBf16) {
     NSAD_WGMMA_SS_ASM("bf16");
   } else {
