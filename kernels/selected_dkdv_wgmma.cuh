@@ -37,7 +37,7 @@ namespace nsad::nsa::cuda::detail::dkdv_wgmma {
 // Shared memory from a 1 KB-aligned base (the swizzle's period): the block's K and V rows,
 // kBufs buffers each of staged Q and dO rows (each kHalves [64][64] tiles), kDsBufs dS^T
 // tiles, kBufs buffers of per-row metadata (lse, delta, position as float bits), then the
-// item's positions.
+// item's positions and, for each, the element offset in [B,T,H,D] of its group's first head.
 template <int D, int kMaxQueries>
 struct Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
@@ -62,7 +62,8 @@ struct Cfg {
   static constexpr int kMeta = kDs + kDsBufs * kTileBytes;
   static constexpr int kPos = kMeta + kBufs * kRows * 16;
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static constexpr int kBytes = kAlignSlack + kPos + 4 * kMaxQueries;
+  static constexpr int kRowOffset = kPos + 4 * ((kMaxQueries + 1) / 2 * 2);  // 8-byte aligned
+  static constexpr int kBytes = kAlignSlack + kRowOffset + 8 * kMaxQueries;
 };
 
 // Adds half `h` (row g + 8 h) of a warp's m64n64 accumulator rows, times mul, into a
@@ -91,19 +92,19 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
 }
 
 // acc = A B^T for two sets of 64 rows of D = 64 kHalves elements, each staged as kHalves
-// swizzled [64][64] tiles 8 KB apart at smem addresses a and b: the contraction runs over D,
-// four k16 steps per tile, both operands K-major. The first step overwrites acc. Issues the
-// MMAs only (Commit/Wait follow).
+// swizzled [64][64] tiles 8 KB apart, given by their K-major descriptors a and b
+// (wgmma::KMajorTile): the contraction runs over D, four k16 steps per tile. The first step
+// overwrites acc. Issues the MMAs only (Commit/Wait follow).
 template <bool kBf16, int kHalves>
-__device__ __forceinline__ void RowsTimesRowsT(float (&acc)[8][4], uint32_t a, uint32_t b) {
+__device__ __forceinline__ void RowsTimesRowsT(float (&acc)[8][4], uint64_t a, uint64_t b) {
   constexpr uint32_t kTileBytes = 64 * 64 * 2;
-  wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(acc, wgmma::KMajorTileStep(a, 0), wgmma::KMajorTileStep(b, 0));
+  wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(acc, a, b);
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
     for (int kk = h == 0 ? 1 : 0; kk < 4; ++kk) {
-      wgmma::MmaM64N64K16Smem<kBf16, false, false>(acc, wgmma::KMajorTileStep(a + h * kTileBytes, kk),
-                                                   wgmma::KMajorTileStep(b + h * kTileBytes, kk));
+      const uint32_t step = h * kTileBytes + 32 * kk;
+      wgmma::MmaM64N64K16Smem<kBf16, false, false>(acc, wgmma::Advance(a, step), wgmma::Advance(b, step));
     }
   }
 }
@@ -124,12 +125,19 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
   unsigned char* const gbase = reinterpret_cast<unsigned char*>(dkdv_smem) + (base - raw);
   float4* const meta = reinterpret_cast<float4*>(gbase + C::kMeta);  // [2][kR]
   int* const pos = reinterpret_cast<int*>(gbase + C::kPos);
+  int64_t* const row_offset = reinterpret_cast<int64_t*>(gbase + C::kRowOffset);
 
   const KeyWork w = pol.Work(s);
   if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   const int hq = s.hq(), total = w.num_queries * hq;  // flattened (position, head) rows
-  for (int i = threadIdx.x; i < w.num_queries; i += C::kThreads) pos[i] = pol.Query(w, i);
+  for (int i = threadIdx.x; i < w.num_queries; i += C::kThreads) {
+    pos[i] = pol.Query(w, i);
+    row_offset[i] = QueryOffset(s, w.b, pos[i], w.g * hq);
+  }
+  // Flattened row rho is position pi = rho / hq of the item, head w.g hq + rho - pi hq: its
+  // elements start at row_offset[pi] + (rho - pi hq) D.
+  const SmallDivisor by_hq(hq);
   __syncthreads();
 
   // The block's keys, rows past its end zero (their products are masked); committed with
@@ -145,18 +153,18 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
 #pragma unroll
     for (int it = 0; it < kR * kChunks / C::kThreads; ++it) {
       const int e = static_cast<int>(threadIdx.x) + it * C::kThreads;
-      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
+      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r, pi = by_hq.Div(rho);
       const bool ok = rho < total;  // rows past the end are zero-filled
-      const int64_t off = ok ? QueryOffset(s, w.b, pos[rho / hq], w.g * hq + rho % hq) + ch * 8 : 0;
+      const int64_t off = ok ? row_offset[pi] + ((rho - pi * hq) * D + ch * 8) : 0;
       const uint32_t dst = (ch / 8) * C::kTileBytes + mma::SwizzledOffset<64>(r, ch % 8) + buf * C::kRowsBytes;
       mma::CpAsync16(base + C::kQ + dst, q + off, ok);
       mma::CpAsync16(base + C::kDo + dst, dout + off, ok);
     }
     if (threadIdx.x < kR) {
-      const int rho = r0 + threadIdx.x;
+      const int rho = r0 + threadIdx.x, pi = by_hq.Div(rho);
       const bool ok = rho < total;
-      const int t = ok ? pos[rho / hq] : -1;
-      const int64_t row = ok ? (static_cast<int64_t>(w.b) * s.T + t) * s.H + w.g * hq + rho % hq : 0;
+      const int t = ok ? pos[pi] : -1;
+      const int64_t row = ok ? row_offset[pi] / D + (rho - pi * hq) : 0;
       float4& m = meta[buf * kR + threadIdx.x];
       mma::CpAsync4(&m.x, lse + row, ok);
       mma::CpAsync4(&m.y, delta + row, ok);
@@ -186,16 +194,19 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       for (int e = 0; e < 4; ++e) dk[h][i][e] = dv[h][i][e] = 0.f;
     }
   }
-  const auto q_tile = [&](int buf) { return base + C::kQ + buf * C::kRowsBytes; };
-  const auto do_tile = [&](int buf) { return base + C::kDo + buf * C::kRowsBytes; };
+  // The tiles' descriptors, worked out once; a product's buffer and step are an Advance.
+  const uint64_t k_rows = wgmma::KMajorTile(ktile), v_rows = wgmma::KMajorTile(vtile);
+  const uint64_t q_rows = wgmma::KMajorTile(base + C::kQ), do_rows = wgmma::KMajorTile(base + C::kDo);
+  const uint64_t q_cols = wgmma::MnMajorTile(base + C::kQ), do_cols = wgmma::MnMajorTile(base + C::kDo);
+  const uint64_t k_cols = wgmma::MnMajorTile(ktile), ds_cols = wgmma::MnMajorTile(base + C::kDs);
 
   // The phases of a step over the rows staged in buffer buf; the schedules below order them.
   float st[8][4], dpt[8][4];
   // S^T = K Q^T and dP^T = V dO^T, issued and committed (one group).
   const auto issue_scores = [&](int buf) {
     wgmma::Fence();
-    RowsTimesRowsT<kBf16, kHalves>(st, ktile, q_tile(buf));
-    RowsTimesRowsT<kBf16, kHalves>(dpt, vtile, do_tile(buf));
+    RowsTimesRowsT<kBf16, kHalves>(st, k_rows, wgmma::Advance(q_rows, buf * C::kRowsBytes));
+    RowsTimesRowsT<kBf16, kHalves>(dpt, v_rows, wgmma::Advance(do_rows, buf * C::kRowsBytes));
     wgmma::Commit();
   };
   uint32_t pf[4][4], dsf[4][4];  // k16 step kk = query rows 16 kk .. 16 kk + 15
@@ -239,14 +250,14 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     wgmma::Fence();
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
-      const uint32_t off = h * C::kTileBytes;
+      const uint32_t off = buf * C::kRowsBytes + h * C::kTileBytes;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::MnMajorTileStep(do_tile(buf) + off, kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::Advance(do_cols, off + 2048 * kk));
       }
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::MnMajorTileStep(q_tile(buf) + off, kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::Advance(q_cols, off + 2048 * kk));
       }
     }
     wgmma::Commit();
@@ -270,12 +281,12 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
   // + g and + 8. Issued and committed (one group).
   const auto issue_dq = [&](float (&dq)[8][4], int ds, int h) {
     wgmma::Fence();
-    const uint32_t dstile = base + C::kDs + ds * C::kTileBytes, kt = ktile + h * C::kTileBytes;
-    wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::MnMajorTileStep(dstile, 0),
-                                                     wgmma::MnMajorTileStep(kt, 0));
+    const uint32_t ds_off = ds * C::kTileBytes, k_off = h * C::kTileBytes;
+    wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::Advance(ds_cols, ds_off), wgmma::Advance(k_cols, k_off));
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) {
-      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::MnMajorTileStep(dstile, kk), wgmma::MnMajorTileStep(kt, kk));
+      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::Advance(ds_cols, ds_off + 2048 * kk),
+                                                 wgmma::Advance(k_cols, k_off + 2048 * kk));
     }
     wgmma::Commit();
   };
@@ -284,9 +295,9 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     wgmma::FenceRegisters(dq);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = key_lo + g + 8 * i;
-      const int t = __float_as_int(m[row].z);
-      const int64_t dq_row = t >= 0 ? QueryOffset(s, w.b, t, w.g * hq + (r0 + row) % hq) : 0;
+      const int row = key_lo + g + 8 * i, rho = r0 + row, pi = by_hq.Div(rho);
+      const int t = __float_as_int(m[row].z);  // -1 past the end
+      const int64_t dq_row = t >= 0 ? row_offset[pi] + (rho - pi * hq) * D : 0;
       AtomicAddRowQuads(dq_acc + dq_row + 64 * h, dq, i, scale, t >= 0, lane);
     }
   };

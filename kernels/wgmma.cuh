@@ -63,6 +63,17 @@ __device__ __forceinline__ uint64_t KMajorTileStep(uint32_t tile, int kk) {
 __device__ __forceinline__ uint64_t MnMajorTileStep(uint32_t tile, int kk) {
   return Descriptor(tile + 2048u * kk, 8u * kSwizzleBytes, kSwizzleBytes);
 }
+// The same descriptors at step 0, to be moved on with Advance: KMajorTileStep(tile, kk) is
+// Advance(KMajorTile(tile), 32 kk), MnMajorTileStep(tile, kk) Advance(MnMajorTile(tile), 2048 kk).
+__device__ __forceinline__ uint64_t KMajorTile(uint32_t tile) { return KMajorTileStep(tile, 0); }
+__device__ __forceinline__ uint64_t MnMajorTile(uint32_t tile) { return MnMajorTileStep(tile, 0); }
+// desc, `bytes` further into shared memory. The address field (bits 0-13: address / 16) takes
+// the offset without carrying into the next field, shared memory being under 256 KB, so this
+// is one 32-bit add, where a whole Descriptor() is four or five instructions per product.
+__device__ __forceinline__ uint64_t Advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
 
 __device__ __forceinline__ void Fence() {
 #if NSAD_WGMMA_AVAILABLE
