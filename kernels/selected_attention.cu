@@ -442,6 +442,8 @@ struct SelectedKeyPolicy {
   __device__ int Entry(const KeyWork& w, int i) const { return sorted_entry[w.query_base + i]; }
   __device__ int Query(const KeyWork& w, int i) const { return Entry(w, i) / per_position % T; }  // position
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t; }
+  // Whether every position in [t_min, t_max] sees every key of `keys`.
+  __device__ bool AllowsAll(int t_min, int, const KeyChunk& keys) const { return keys.start + keys.count - 1 <= t_min; }
 };
 
 // The key-centric kernels' view of an inverted block map (block_map.h).

@@ -213,8 +213,10 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
   // P^T and dS^T from the finished S^T and dP^T, packed into A fragments. Accumulator
   // element [j][2 half + e]: key row half, query row 8 j + 2 c + e of the step. Written to
   // new registers, not over the accumulators: ptxas serialises the warpgroup MMAs where
-  // ordinary instructions write a product's accumulators (C7515).
-  const auto probabilities = [&](const float4* m) {
+  // ordinary instructions write a product's accumulators (C7515). kMasked: the policy's mask
+  // per element; without, for a step where every row sees every key of the block.
+  const auto probabilities = [&](const float4* m, auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
     wgmma::FenceRegisters(st);
     wgmma::FenceRegisters(dpt);
 #pragma unroll
@@ -226,10 +228,9 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float4 mr = m[8 * j + 2 * (lane & 3) + e];
-          const int t = __float_as_int(mr.z);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const bool seen = pol.Allowed(s, t, key_cut[half]);
+            const bool seen = !kMasked || pol.Allowed(s, __float_as_int(mr.z), key_cut[half]);
             const float pe = seen ? mma::Exp2(st[j][2 * half + e] * scale_log2 - mr.x) : 0.f;
             p[jj][2 * half + e] = pe;
             ds[jj][2 * half + e] = pe * (dpt[j][2 * half + e] - mr.y);
@@ -238,6 +239,17 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       }
       mma::PackA<kBf16>(pf[kk], p[0], p[1]);
       mma::PackA<kBf16>(dsf[kk], ds[0], ds[1]);
+    }
+  };
+  // Rows of a step are in position order, so a whole step of rows (every row valid) sees the
+  // whole block (all 64 keys) where its first and last positions do.
+  const auto probabilities_of_step = [&](const float4* m, int r0) {
+    const bool whole = w.keys.count == 64 && r0 + kR <= total &&
+                       pol.AllowsAll(__float_as_int(m[0].z), __float_as_int(m[kR - 1].z), w.keys);
+    if (whole) {
+      probabilities(m, std::false_type{});
+    } else {
+      probabilities(m, std::true_type{});
     }
   };
   // dV += P^T dO and dK += dS^T Q, issued and committed (one group).
@@ -326,7 +338,7 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       const int buf = i % 3, ds = i & 1;
       const float4* m = meta + buf * kR;
       wgmma::Wait<0>();
-      probabilities(m);
+      probabilities_of_step(m, r0);
       issue_dkdv(buf);
       if constexpr (kFusedDq) write_ds(ds);
       __syncthreads();  // barrier A
@@ -359,7 +371,7 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       const float4* m = meta + buf * kR;
       issue_scores(buf);
       wgmma::Wait<0>();
-      probabilities(m);
+      probabilities_of_step(m, r0);
       issue_dkdv(buf);
       if constexpr (kFusedDq) {
         write_ds(0);  // while dV and dK run

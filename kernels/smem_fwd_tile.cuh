@@ -344,19 +344,19 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
   State<D, 1> st;
   st.Init();
 
+  // The first stage's descriptors, worked out once; a block's stage and k-step are an Advance.
+  const uint64_t k_rows = wgmma::KMajorTile(smem_base), v_cols = wgmma::MnMajorTile(smem_base + Cfg::kTileBytes);
   const auto block = [&](int blk, uint32_t kbuf) {
     if (active) {
-      const uint32_t vbuf = kbuf + Cfg::kTileBytes;
+      const uint32_t stage_off = kbuf - smem_base;
       const int key0 = walk.Start(blk), count = walk.Count(s, blk);
       const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
-      float sc[kN / 8][4];
-#pragma unroll
-      for (int n = 0; n < kN / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-      wgmma::FenceRegisters(sc);
+      float sc[kN / 8][4];  // S = Q K^T: its first step overwrites, so no zeroing
       wgmma::Fence();
+      wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0][0], wgmma::Advance(k_rows, stage_off));
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::KMajorTileStep(kbuf, kk));
+      for (int kk = 1; kk < D / 16; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, stage_off + 32 * kk));
       }
       wgmma::Commit();
       wgmma::Wait<0>();
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::MnMajorTileStep(vbuf, kk));
+        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, stage_off + 2048 * kk));
       }
       wgmma::Commit();
       wgmma::Wait<0>();

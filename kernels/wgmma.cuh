@@ -123,17 +123,18 @@ __device__ __forceinline__ void FenceRegisters(float (&r)[N][4]) {
       "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
 
 // d += A B for one m64n64k16 step: A the warp's 16 rows (mma.sync A fragment), B through
-// desc, K-major (kTransB false) or MN-major (true). Asynchronous: d is valid after Wait().
-template <bool kBf16, bool kTransB>
+// desc, K-major (kTransB false) or MN-major (true). kOverwrite: d = A B (see
+// MmaM64N64K16Smem). Asynchronous: d is valid after Wait().
+template <bool kBf16, bool kTransB, bool kOverwrite = false>
 __device__ __forceinline__ void MmaM64N64K16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
 #if NSAD_WGMMA_AVAILABLE
 #define NSAD_WGMMA_ASM(TYPE)                                                                                   \
   asm volatile(                                                                                                \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
       NSAD_WGMMA_ACCUMULATOR_REGS                                                                              \
-      "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;"                                                              \
+      "{%32, %33, %34, %35}, %36, %38, 1, 1, %37;"                                                            \
       : NSAD_WGMMA_ACCUMULATORS(d)                                                                             \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kTransB ? 1 : 0))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(kTransB ? 1 : 0), "n"(kOverwrite ? 0 : 1))
   if constexpr (kBf16) {
     NSAD_WGMMA_ASM("bf16");
   } else {

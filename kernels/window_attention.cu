@@ -79,6 +79,10 @@ struct WindowKeyPolicy {
   }
   __device__ int Query(const KeyWork& w, int i) const { return static_cast<int>(w.query_base) + i; }
   __device__ bool Allowed(const Shape&, int t, int key) const { return key <= t && key > t - window; }
+  // Whether every position in [t_min, t_max] sees every key of `keys`.
+  __device__ bool AllowsAll(int t_min, int t_max, const KeyChunk& keys) const {
+    return keys.start + keys.count - 1 <= t_min && keys.start > t_max - window;
+  }
 };
 
 // q [B,T,H,D], k and v [B,T,G,D] of the same length, and a window the kernels' 32-bit
