@@ -6,13 +6,15 @@
 // staged mma.sync kernel's work split (SelectedDkDvStagedKernel), one work item of the
 // inverted block map, i.e. a selected block and a slice of the entries that chose it; for
 // the window a 64-key block and a slice of the contiguous positions whose windows cover it.
-// The (position, head) query rows are gathered kRows at a time into shared memory, the next
-// step's copy in flight while this one computes. Against the staged kernel, what changes is
+// The (position, head) query rows are gathered kRows at a time into shared memory, later
+// steps' copies in flight while this one computes (one step ahead at D = 128, two at D = 64,
+// where the steps also overlap: see Cfg::kOverlap). Against the staged kernel, what changes is
 // who multiplies. The CTA is one warpgroup, the block's 64 keys are the M of every product
 // but dQ's, and per step of 64 rows:
 //   S^T  = K Q^T     K (staged once) and Q, both K-major from shared memory
 //   dP^T = V dO^T    V and dO, likewise
-//   P^T  = exp2(S^T - lse), dS^T = P^T (dP^T - delta)   on the accumulators (causal mask)
+//   P^T  = exp2(S^T - lse), dS^T = P^T (dP^T - delta)   from the accumulators, under the
+//                    policy's mask (none for a step whose rows all see the whole block)
 //   dV  += P^T dO    P^T packed into register A fragments, dO MN-major (transposed)
 //   dK  += dS^T Q    likewise
 //   dQ   = dS K      (kFusedDq) dS^T through shared memory, read as a transposed A; K
@@ -20,9 +22,9 @@
 // as FlashAttention-3's backward lays out its products. Every tile is a [64][64] 16-bit
 // tile in the 128-byte swizzle that mma::SwizzledOffset writes (wgmma.cuh), so one staged
 // copy serves both orientations; at D = 128 a row's two 64-column halves sit in two such
-// tiles: S^T and dP^T contract over both, dK, dV and dQ have one accumulator tile per half. dK/dV stay in registers over the whole slice and are added
-// into float32 buffers once per work item, as before; every float32 add is a 16-byte atomic
-// (AtomicAddRowQuads).
+// tiles: S^T and dP^T contract over both, dK, dV and dQ have one accumulator tile per half.
+// dK/dV stay in registers over the whole slice and are added into float32 buffers once per
+// work item, as before; every float32 add is a 16-byte atomic (AtomicAddRowQuads).
 #pragma once
 
 #include <climits>
