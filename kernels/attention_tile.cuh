@@ -58,15 +58,18 @@ struct KeyChunk {
   int start, count;
 };
 
-// n / d for 0 <= n with n d < 2^31, in one multiply-high instead of the ~20 instructions of
-// a division by a value known only at run time (the heads per group, in the loops over
-// flattened (position, head) rows). With m = floor(2^31 / d) + 1, n m / 2^31 = n / d + e where
-// 0 < e <= n / 2^31 < 1 / d, so the floor is exact.
+// n / d and n % d for 0 <= n with n d < 2^31, in one multiply-high and one multiply-add
+// instead of the ~20 instructions of a division by a value known only at run time (the heads
+// per group, in the loops over flattened (position, head) rows). With m = floor(2^31 / d) + 1,
+// n m / 2^31 = n / d + e where 0 < e <= n / 2^31 < 1 / d, so the floor is exact.
 struct SmallDivisor {
   int d;
   uint32_t m;
   __device__ explicit SmallDivisor(int divisor) : d(divisor), m(0x80000000u / static_cast<uint32_t>(divisor) + 1u) {}
-  __device__ __forceinline__ int Div(int n) const { return static_cast<int>(__umulhi(2u * static_cast<uint32_t>(n), m)); }
+  __device__ __forceinline__ void DivMod(int n, int& quotient, int& remainder) const {
+    quotient = static_cast<int>(__umulhi(2u * static_cast<uint32_t>(n), m));
+    remainder = n - quotient * d;
+  }
 };
 
 __device__ __forceinline__ int64_t QueryOffset(const Shape& s, int b, int t, int h) {

@@ -82,8 +82,8 @@ CompressedKernelChoice GetCompressedKernelChoice();
 // otherwise (measured). Backward: kWgmma runs the key-centric warpgroup-MMA dK/dV kernel with
 // fused dQ (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) over the window's key
 // blocks, kFlash FlashAttention-2's windowed backward (the path before), kAuto kWgmma at
-// head_dim 64 where it runs, FlashAttention-2 otherwise (measured). fp32 takes its own path (a forced kTiled or kWgmma fails there, as on other head
-// dims or devices).
+// head_dim 64 where it runs, FlashAttention-2 otherwise (measured). fp32 takes its own path
+// (a forced kTiled or kWgmma fails there, as on other head dims or devices).
 struct WindowKernelChoice {
   enum class Forward { kAuto, kFlash, kTiled };
   enum class Backward { kAuto, kFlash, kWgmma };

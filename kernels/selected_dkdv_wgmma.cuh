@@ -105,7 +105,7 @@ __device__ __forceinline__ void RowsTimesRowsT(float (&acc)[8][4], uint64_t a, u
   for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
     for (int kk = h == 0 ? 1 : 0; kk < 4; ++kk) {
-      const uint32_t step = h * kTileBytes + 32 * kk;
+      const uint32_t step = h * kTileBytes + wgmma::kKMajorStepBytes * kk;
       wgmma::MmaM64N64K16Smem<kBf16, false, false>(acc, wgmma::Advance(a, step), wgmma::Advance(b, step));
     }
   }
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
   const uint32_t raw = mma::SmemAddr(dkdv_smem);
   const uint32_t base = (raw + C::kAlignSlack - 1) & ~static_cast<uint32_t>(C::kAlignSlack - 1);
   unsigned char* const gbase = reinterpret_cast<unsigned char*>(dkdv_smem) + (base - raw);
-  float4* const meta = reinterpret_cast<float4*>(gbase + C::kMeta);  // [2][kR]
+  float4* const meta = reinterpret_cast<float4*>(gbase + C::kMeta);  // [kBufs][kR]
   int* const pos = reinterpret_cast<int*>(gbase + C::kPos);
   int64_t* const row_offset = reinterpret_cast<int64_t*>(gbase + C::kRowOffset);
 
@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     pos[i] = pol.Query(w, i);
     row_offset[i] = QueryOffset(s, w.b, pos[i], w.g * hq);
   }
-  // Flattened row rho is position pi = rho / hq of the item, head w.g hq + rho - pi hq: its
-  // elements start at row_offset[pi] + (rho - pi hq) D.
+  // Flattened row rho is position pi = rho / hq of the item, head w.g hq + rho % hq: its
+  // elements start at row_offset[pi] + (rho % hq) D.
   const SmallDivisor by_hq(hq);
   __syncthreads();
 
@@ -155,18 +155,22 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
 #pragma unroll
     for (int it = 0; it < kR * kChunks / C::kThreads; ++it) {
       const int e = static_cast<int>(threadIdx.x) + it * C::kThreads;
-      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r, pi = by_hq.Div(rho);
+      const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
+      int pi, head;
+      by_hq.DivMod(rho, pi, head);
       const bool ok = rho < total;  // rows past the end are zero-filled
-      const int64_t off = ok ? row_offset[pi] + ((rho - pi * hq) * D + ch * 8) : 0;
+      const int64_t off = ok ? row_offset[pi] + (head * D + ch * 8) : 0;
       const uint32_t dst = (ch / 8) * C::kTileBytes + mma::SwizzledOffset<64>(r, ch % 8) + buf * C::kRowsBytes;
       mma::CpAsync16(base + C::kQ + dst, q + off, ok);
       mma::CpAsync16(base + C::kDo + dst, dout + off, ok);
     }
     if (threadIdx.x < kR) {
-      const int rho = r0 + threadIdx.x, pi = by_hq.Div(rho);
+      const int rho = r0 + threadIdx.x;
+      int pi, head;
+      by_hq.DivMod(rho, pi, head);
       const bool ok = rho < total;
       const int t = ok ? pos[pi] : -1;
-      const int64_t row = ok ? row_offset[pi] / D + (rho - pi * hq) : 0;
+      const int64_t row = ok ? row_offset[pi] / D + head : 0;
       float4& m = meta[buf * kR + threadIdx.x];
       mma::CpAsync4(&m.x, lse + row, ok);
       mma::CpAsync4(&m.y, delta + row, ok);
@@ -267,11 +271,11 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       const uint32_t off = buf * C::kRowsBytes + h * C::kTileBytes;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::Advance(do_cols, off + 2048 * kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dv[h], pf[kk], wgmma::Advance(do_cols, off + wgmma::kMnMajorStepBytes * kk));
       }
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::Advance(q_cols, off + 2048 * kk));
+        wgmma::MmaM64N64K16<kBf16, true>(dk[h], dsf[kk], wgmma::Advance(q_cols, off + wgmma::kMnMajorStepBytes * kk));
       }
     }
     wgmma::Commit();
@@ -299,8 +303,9 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::Advance(ds_cols, ds_off), wgmma::Advance(k_cols, k_off));
 #pragma unroll
     for (int kk = 1; kk < 4; ++kk) {
-      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::Advance(ds_cols, ds_off + 2048 * kk),
-                                                 wgmma::Advance(k_cols, k_off + 2048 * kk));
+      const uint32_t step = wgmma::kMnMajorStepBytes * kk;
+      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::Advance(ds_cols, ds_off + step),
+                                                 wgmma::Advance(k_cols, k_off + step));
     }
     wgmma::Commit();
   };
@@ -309,9 +314,11 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     wgmma::FenceRegisters(dq);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = key_lo + g + 8 * i, rho = r0 + row, pi = by_hq.Div(rho);
+      const int row = key_lo + g + 8 * i;
+      int pi, head;
+      by_hq.DivMod(r0 + row, pi, head);
       const int t = __float_as_int(m[row].z);  // -1 past the end
-      const int64_t dq_row = t >= 0 ? row_offset[pi] + (rho - pi * hq) * D : 0;
+      const int64_t dq_row = t >= 0 ? row_offset[pi] + head * D : 0;
       AtomicAddRowQuads(dq_acc + dq_row + 64 * h, dq, i, scale, t >= 0, lane);
     }
   };

@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0][0], wgmma::Advance(k_rows, stage_off));
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, stage_off + 32 * kk));
+        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, stage_off + wgmma::kKMajorStepBytes * kk));
       }
       wgmma::Commit();
       wgmma::Wait<0>();
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, stage_off + 2048 * kk));
+        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, stage_off + wgmma::kMnMajorStepBytes * kk));
       }
       wgmma::Commit();
       wgmma::Wait<0>();

@@ -55,18 +55,16 @@ __device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr, uint32_t lead
   return d;
 }
 
-// A or B = a staged [64 rows][64] tile read K-major, k16 step kk (K in S = Q K^T).
-__device__ __forceinline__ uint64_t KMajorTileStep(uint32_t tile, int kk) {
-  return Descriptor(tile + 32u * kk, 16u, kSwizzleBytes);
+// A or B = a staged [64 rows][64] tile read K-major (K in S = Q K^T), k16 step 0; step kk
+// is kKMajorStepBytes kk bytes on (Advance).
+__device__ __forceinline__ uint64_t KMajorTile(uint32_t tile) { return Descriptor(tile, 16u, kSwizzleBytes); }
+// A or B = a staged [64 rows][64] tile read MN-major, transposed (V in O = P V), k16 step 0;
+// step kk is kMnMajorStepBytes kk bytes on (Advance).
+__device__ __forceinline__ uint64_t MnMajorTile(uint32_t tile) {
+  return Descriptor(tile, 8u * kSwizzleBytes, kSwizzleBytes);
 }
-// A or B = a staged [64 rows][64] tile read MN-major (transposed), k16 step kk (V in O = P V).
-__device__ __forceinline__ uint64_t MnMajorTileStep(uint32_t tile, int kk) {
-  return Descriptor(tile + 2048u * kk, 8u * kSwizzleBytes, kSwizzleBytes);
-}
-// The same descriptors at step 0, to be moved on with Advance: KMajorTileStep(tile, kk) is
-// Advance(KMajorTile(tile), 32 kk), MnMajorTileStep(tile, kk) Advance(MnMajorTile(tile), 2048 kk).
-__device__ __forceinline__ uint64_t KMajorTile(uint32_t tile) { return KMajorTileStep(tile, 0); }
-__device__ __forceinline__ uint64_t MnMajorTile(uint32_t tile) { return MnMajorTileStep(tile, 0); }
+constexpr uint32_t kKMajorStepBytes = 32;    // 16 elements further along every row
+constexpr uint32_t kMnMajorStepBytes = 2048;  // 16 rows further down
 // desc, `bytes` further into shared memory. The address field (bits 0-13: address / 16) takes
 // the offset without carrying into the next field, shared memory being under 256 KB, so this
 // is one 32-bit add, where a whole Descriptor() is four or five instructions per product.
