@@ -112,6 +112,93 @@ TEST(CompressBlocks, MatchesTheDefinition) {
   }
 }
 
+// CompressBlocksTogether (the CUDA backend's one autograd node for keys and values) against
+// the same definition, each token tensor through its own compressor: both outputs and every
+// gradient, chunked strides only (r = 1, 2, 4), with a partial last chunk, no block at all,
+// and one output's gradient missing (the other compressor's parameters then get zeros).
+TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
+  const int64_t B = 2, G = 3, D = 4, hidden = 6;
+  for (const auto& [l, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {8, 4}, {8, 2}}) {
+    for (const int64_t T : {7, 8, 37}) {
+      torch::manual_seed(l * 100 + d * 10 + T);
+      Geometry g;
+      g.cmp_block = l;
+      g.cmp_stride = d;
+      const int64_t N = NumCmpBlocks(T, g);
+      std::vector<Compressor> compressors;
+      std::vector<torch::Tensor> tokens, inputs;
+      for (int p = 0; p < 2; ++p) {
+        Compressor c{torch::randn({l, D}, torch::kDouble).requires_grad_(true), torch::nn::Linear(l * D, hidden),
+                     torch::nn::Linear(hidden, D)};
+        c.first->to(torch::kDouble);
+        c.second->to(torch::kDouble);
+        tokens.push_back(torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true));
+        compressors.push_back(c);
+        inputs.insert(inputs.end(), {tokens.back(), c.position_encoding, c.first->weight, c.first->bias,
+                                     c.second->weight, c.second->bias});
+      }
+      const auto got = CompressBlocksTogether(tokens, compressors, g);
+      ASSERT_EQ(got.size(), 2u);
+      for (const auto& out : got) ASSERT_EQ(out.sizes(), (std::vector<int64_t>{B, N, G, D}));
+      if (N == 0) continue;
+      std::vector<torch::Tensor> want;
+      for (int p = 0; p < 2; ++p) {
+        std::vector<torch::Tensor> blocks;
+        for (int64_t j = 0; j < N; ++j) {
+          blocks.push_back((tokens[p].narrow(1, j * d, l).permute({0, 2, 1, 3}) + compressors[p].position_encoding)
+                               .reshape({B, G, l * D}));
+        }
+        auto c = compressors[p];  // shares the modules
+        want.push_back(c.second->forward(torch::silu(c.first->forward(torch::stack(blocks, 1)))));
+        EXPECT_LT(MaxDiff(got[p], want[p]), 1e-12) << "p=" << p << " l=" << l << " d=" << d << " T=" << T;
+      }
+      for (const bool both : {true, false}) {
+        const auto w0 = torch::randn_like(want[0]), w1 = torch::randn_like(want[1]);
+        const auto got_loss = (got[0] * w0).sum() + (both ? (got[1] * w1).sum() : torch::zeros({}, torch::kDouble));
+        const auto want_loss = (want[0] * w0).sum() + (both ? (want[1] * w1).sum() : torch::zeros({}, torch::kDouble));
+        const auto got_grads = torch::autograd::grad({got_loss}, inputs, {}, /*retain_graph=*/true, false,
+                                                     /*allow_unused=*/true);
+        const auto want_grads = torch::autograd::grad({want_loss}, inputs, {}, true, false, true);
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          const auto expect = want_grads[i].defined() ? want_grads[i] : torch::zeros_like(inputs[i]);
+          ASSERT_TRUE(got_grads[i].defined()) << "input " << i;
+          EXPECT_LT(MaxDiff(got_grads[i], expect), 1e-12)
+              << "input " << i << " both=" << both << " l=" << l << " d=" << d << " T=" << T;
+        }
+      }
+    }
+  }
+}
+
+// Under autocast the fused node computes in the autocast dtype, as the composed ops do, and
+// gives the parameters float32 gradients.
+TEST(CompressBlocksTogether, FollowsAutocastLikeCompressBlocks) {
+  torch::manual_seed(5);
+  Geometry g;
+  g.cmp_block = 8;
+  g.cmp_stride = 4;
+  Compressor c{torch::randn({8, 4}).requires_grad_(true), torch::nn::Linear(32, 6), torch::nn::Linear(6, 4)};
+  const auto tokens = torch::randn({2, 21, 2, 4}).to(torch::kBFloat16).requires_grad_(true);
+  torch::Tensor got, want;
+  {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    got = CompressBlocksTogether({tokens}, {c}, g)[0];
+    want = CompressBlocks(tokens, c.position_encoding, c.first, c.second, g);
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+  EXPECT_EQ(got.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(want.scalar_type(), torch::kBFloat16);
+  // bf16 GEMMs on both sides; the fused node adds W1 pos + b1 in float32 (the composed ops
+  // round it to bf16 first).
+  EXPECT_LT(MaxDiff(got.to(torch::kFloat), want.to(torch::kFloat)), 0.02);
+  got.to(torch::kFloat).sum().backward();
+  EXPECT_EQ(c.first->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(c.position_encoding.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(tokens.grad().scalar_type(), torch::kBFloat16);
+}
+
 TEST(NsaAttention, FutureInputsNeverChangeEarlierOutputs) {
   torch::manual_seed(1);
   NsaAttention attn(SmallConfig(), AttentionBackend::kReference, 0.02);

@@ -85,9 +85,25 @@ NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend b
 
 torch::Tensor NsaAttentionImpl::Compress(const torch::Tensor& tokens,
                                          const torch::Tensor& position_encoding,
-                                         torch::nn::Sequential& mlp) const {
+                                         const torch::nn::Sequential& mlp) const {
   return CompressBlocks(tokens, position_encoding, torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)),
                         torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2)), geometry_);
+}
+
+std::vector<torch::Tensor> NsaAttentionImpl::CompressKeysAndValues(const torch::Tensor& k_tokens,
+                                                                   const torch::Tensor& v_tokens) const {
+  // The CUDA backend takes the fused node (same maths, a fraction of the launches); the
+  // reference keeps the composed ops, which tests hold the fused node to.
+  if (backend_ == AttentionBackend::kCuda && geometry_.cmp_block % geometry_.cmp_stride == 0) {
+    auto compressor = [](const torch::Tensor& pos, const torch::nn::Sequential& mlp) {
+      return Compressor{pos, torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)),
+                        torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2))};
+    };
+    return CompressBlocksTogether({k_tokens, v_tokens},
+                                  {compressor(cmp_k_pos_, cmp_k_mlp_), compressor(cmp_v_pos_, cmp_v_mlp_)},
+                                  geometry_);
+  }
+  return {Compress(k_tokens, cmp_k_pos_, cmp_k_mlp_), Compress(v_tokens, cmp_v_pos_, cmp_v_mlp_)};
 }
 
 const NsaAttentionImpl::RopeCache& NsaAttentionImpl::Rope(int64_t seq_len,
@@ -130,9 +146,9 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& v_slc = kv[3];
   const auto& k_win = kv[4];
   const auto& v_win = kv[5];
-  const auto k_cmp = RotateParts(backend_, Compress(kv[0], cmp_k_pos_, cmp_k_mlp_).unsqueeze(2),
-                                 rope.blocks, {true})[0];
-  const auto v_cmp = Compress(kv[1], cmp_v_pos_, cmp_v_mlp_).contiguous();
+  const auto compressed = CompressKeysAndValues(kv[0], kv[1]);
+  const auto k_cmp = RotateParts(backend_, compressed[0].unsqueeze(2), rope.blocks, {true})[0];
+  const auto v_cmp = compressed[1].contiguous();
 
   const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
   const auto& block_idx = cmp.block_idx;

@@ -42,7 +42,10 @@ class NsaAttentionImpl : public torch::nn::Module {
  private:
   // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
   torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
-                         torch::nn::Sequential& mlp) const;
+                         const torch::nn::Sequential& mlp) const;
+  // The keys' and values' compressions [B,N,G,D], in one autograd node on the CUDA backend.
+  std::vector<torch::Tensor> CompressKeysAndValues(const torch::Tensor& k_tokens,
+                                                   const torch::Tensor& v_tokens) const;
   // The rope tables for T tokens and for the compressed blocks of T tokens, on `device`,
   // computed on first use and kept while T, device and type stay the same (a training run
   // uses one sequence length, so this saves ~12 small launches per layer and step).

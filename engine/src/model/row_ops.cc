@@ -1,0 +1,38 @@
+#include "model/row_ops.h"
+
+namespace nsad {
+
+torch::Tensor SumRows(const torch::Tensor& g) {
+  TORCH_CHECK(g.dim() == 2 || g.dim() == 3, "SumRows takes [rows, n] or [P, rows, n], got ", g.sizes());
+  if (!g.is_cuda()) return g.sum(-2);
+  const int64_t rows = g.size(-2);
+  if (g.dim() == 2) return at::mv(g.t(), at::ones({rows}, g.options()));
+  return at::bmm(at::ones({g.size(0), 1, rows}, g.options()), g).squeeze(1);
+}
+
+namespace {
+
+// Whether t, viewed as 8-byte words along its last dimension, keeps its layout.
+bool WordAligned(const torch::Tensor& t) {
+  const int64_t item = t.element_size();
+  if (t.dim() == 0 || t.stride(-1) != 1 || (t.size(-1) * item) % 8 != 0 || (t.storage_offset() * item) % 8 != 0) {
+    return false;
+  }
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if ((t.stride(i) * item) % 8 != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void CopyInWords(torch::Tensor dst, const torch::Tensor& src) {
+  TORCH_CHECK(dst.sizes() == src.sizes(), "CopyInWords: shapes differ: ", dst.sizes(), " and ", src.sizes());
+  if (dst.scalar_type() == src.scalar_type() && dst.element_size() < 8 && WordAligned(dst) && WordAligned(src)) {
+    dst.view(torch::kLong).copy_(src.view(torch::kLong));
+  } else {
+    dst.copy_(src);
+  }
+}
+
+}  // namespace nsad

@@ -1,0 +1,66 @@
+// SumRows and CopyInWords (model/row_ops.h) against the plain ops, on the CPU and, where
+// there is one, on a CUDA device (their fast paths are CUDA's).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <vector>
+
+#include "model/row_ops.h"
+#include "test_util.h"
+
+namespace nsad {
+namespace {
+
+using nsa::testing::MaxDiff;
+
+std::vector<torch::Device> Devices() {
+  std::vector<torch::Device> devices = {torch::kCPU};
+  if (torch::cuda::is_available()) devices.emplace_back(torch::kCUDA);
+  return devices;
+}
+
+TEST(SumRows, MatchesSumOverRowsPlainAndBatched) {
+  torch::manual_seed(21);
+  for (const auto& device : Devices()) {
+    for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      const auto g2 = torch::randn({300, 7}, torch::TensorOptions(dtype).device(device));
+      const auto g3 = torch::randn({2, 300, 5}, torch::TensorOptions(dtype).device(device));
+      const auto s2 = SumRows(g2), s3 = SumRows(g3);
+      EXPECT_EQ(s2.sizes(), (std::vector<int64_t>{7}));
+      EXPECT_EQ(s3.sizes(), (std::vector<int64_t>{2, 5}));
+      EXPECT_EQ(s2.scalar_type(), dtype);
+      // bf16: the sums of 300 values of magnitude ~1 are rounded to 8 bits of mantissa.
+      const double tol = dtype == torch::kFloat ? 1e-4 : 0.25;
+      EXPECT_LT(MaxDiff(s2.to(torch::kDouble).cpu(), g2.to(torch::kDouble).sum(0).cpu()), tol) << device;
+      EXPECT_LT(MaxDiff(s3.to(torch::kDouble).cpu(), g3.to(torch::kDouble).sum(1).cpu()), tol) << device;
+    }
+  }
+  EXPECT_THROW(SumRows(torch::ones({4})), c10::Error);
+}
+
+// Word copies of permuted rows (the compression's chunks: bf16 rows of 64 and 4), and the
+// element-wise fallback for rows whose bytes are not a multiple of 8 and for a dtype change.
+TEST(CopyInWords, CopiesPermutedRowsExactly) {
+  torch::manual_seed(22);
+  for (const auto& device : Devices()) {
+    for (const int64_t D : {64, 4, 3}) {
+      const auto src = torch::randn({2, 5, 3, 4, D}, torch::TensorOptions(torch::kBFloat16).device(device));
+      const auto view = src.permute({0, 1, 3, 2, 4});
+      auto dst = torch::empty(view.sizes(), src.options());
+      CopyInWords(dst, view);
+      EXPECT_TRUE(torch::equal(dst, view.contiguous())) << "D=" << D << " " << device;
+      // Into a permuted destination (the backward's direction).
+      auto back = torch::empty_like(src);
+      CopyInWords(back.permute({0, 1, 3, 2, 4}), dst);
+      EXPECT_TRUE(torch::equal(back, src)) << "D=" << D << " " << device;
+    }
+    const auto wide = torch::randn({3, 8}, torch::TensorOptions(torch::kFloat).device(device));
+    auto narrow = torch::empty({3, 8}, wide.options().dtype(torch::kBFloat16));
+    CopyInWords(narrow, wide);
+    EXPECT_TRUE(torch::equal(narrow, wide.to(torch::kBFloat16)));
+  }
+  EXPECT_THROW(CopyInWords(torch::empty({2, 3}), torch::empty({3, 2})), c10::Error);
+}
+
+}  // namespace
+}  // namespace nsad
