@@ -37,20 +37,36 @@ TEST(SharedInputLinear, MatchesSeparateLayersWithAndWithoutBias) {
   torch::manual_seed(11);
   torch::nn::Linear a(torch::nn::LinearOptions(6, 5).bias(false)), b(6, 3), c(torch::nn::LinearOptions(6, 4).bias(false));
   for (auto* layer : {&a, &b, &c}) (*layer)->to(torch::kDouble);
-  const auto x = torch::randn({2, 7, 6}, torch::kDouble);
+  const auto x = torch::randn({2, 7, 6}, torch::kDouble).requires_grad_(true);
   const auto parts = SharedInputLinear(x, {a, b, c});
   ASSERT_EQ(parts.size(), 3u);
   const auto w = torch::randn({2, 7, 12}, torch::kDouble);
   torch::cat(parts, -1).mul(w).sum().backward();
   const std::vector<torch::Tensor> joint_grads = {a->weight.grad().clone(), b->weight.grad().clone(),
-                                                  b->bias.grad().clone(), c->weight.grad().clone()};
+                                                  b->bias.grad().clone(), c->weight.grad().clone(),
+                                                  x.grad().clone()};
   for (auto* layer : {&a, &b, &c}) (*layer)->zero_grad();
+  x.mutable_grad().reset();
   const std::vector<torch::Tensor> separate = {a->forward(x), b->forward(x), c->forward(x)};
   for (size_t i = 0; i < separate.size(); ++i) EXPECT_LT(MaxDiff(parts[i], separate[i]), 1e-12) << i;
   torch::cat(separate, -1).mul(w).sum().backward();
   const std::vector<torch::Tensor> separate_grads = {a->weight.grad(), b->weight.grad(), b->bias.grad(),
-                                                     c->weight.grad()};
+                                                     c->weight.grad(), x.grad()};
   for (size_t i = 0; i < joint_grads.size(); ++i) EXPECT_LT(MaxDiff(joint_grads[i], separate_grads[i]), 1e-12) << i;
+
+  // Only the biased middle part used: it alone gets gradients, and x gets its share.
+  for (auto* layer : {&a, &b, &c}) (*layer)->zero_grad();
+  x.mutable_grad().reset();
+  SharedInputLinear(x, {a, b, c})[1].mul(w.narrow(-1, 5, 3)).sum().backward();
+  const auto middle_dx = x.grad().clone();
+  const auto middle_dw = b->weight.grad().clone(), middle_db = b->bias.grad().clone();
+  EXPECT_FALSE(a->weight.grad().defined() && a->weight.grad().abs().sum().item<double>() != 0);
+  x.mutable_grad().reset();
+  b->zero_grad();
+  b->forward(x).mul(w.narrow(-1, 5, 3)).sum().backward();
+  EXPECT_LT(MaxDiff(middle_dx, x.grad()), 1e-12);
+  EXPECT_LT(MaxDiff(middle_dw, b->weight.grad()), 1e-12);
+  EXPECT_LT(MaxDiff(middle_db, b->bias.grad()), 1e-12);
   EXPECT_THROW(SharedInputLinearJoint(x, {a, b}), c10::Error);  // the joint output has no biased layer
 }
 

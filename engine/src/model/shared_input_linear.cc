@@ -1,9 +1,99 @@
 #include "model/shared_input_linear.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+
+#include "model/row_ops.h"
 
 namespace nsad {
 namespace {
+
+// SharedInputLinear's autograd node. Inputs: x, then the layers' weights, then the biases of
+// the layers whose has_bias is 1. Forward: one GEMM, the biases in its epilogue (a joint
+// bias vector, zeros where a layer has none). Backward, per output part that got a gradient:
+// dx += g_i W_i and dW_i = g_i^T x, db_i = the row sum of g_i. The parts' gradients are never
+// concatenated (autograd's split backward copied all 113 MB of them at batch 16, T=2048) and
+// no bias gradient reads another layer's part.
+class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                                                at::TensorList params, std::vector<int64_t> has_bias,
+                                                int64_t compute_dtype) {
+    // The caller chose the GEMM's dtype (autocast's, as at::linear would); nothing in here
+    // may be recast.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto ct = static_cast<at::ScalarType>(compute_dtype);
+    const size_t n = has_bias.size();
+    const std::vector<torch::Tensor> weights(params.begin(), params.begin() + n);
+    std::vector<int64_t> sizes;
+    for (const auto& w : weights) sizes.push_back(w.size(0));
+    const auto joint = (n == 1 ? weights[0] : at::cat(weights)).to(ct);
+    const auto x2 = x.reshape({-1, x.size(-1)}).to(ct);
+    torch::Tensor out;
+    if (params.size() > n) {
+      auto bias = at::zeros({joint.size(0)}, joint.options());
+      for (size_t i = 0, b = n, offset = 0; i < n; offset += sizes[i], ++i) {
+        if (has_bias[i]) bias.narrow(0, offset, sizes[i]).copy_(params[b++]);
+      }
+      out = at::addmm(bias, x2, joint.t());
+    } else {
+      out = at::mm(x2, joint.t());
+    }
+    ctx->save_for_backward({x2, joint});
+    ctx->saved_data["sizes"] = sizes;
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["param_dtype"] = static_cast<int64_t>(weights[0].scalar_type());
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    auto out_sizes = x.sizes().vec();
+    out_sizes.back() = joint.size(0);
+    return out.view(out_sizes).split_with_sizes(sizes, -1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &joint = saved[1];
+    const auto sizes = ctx->saved_data["sizes"].toIntVector();
+    const auto has_bias = ctx->saved_data["has_bias"].toIntVector();
+    const auto param_dtype = static_cast<at::ScalarType>(ctx->saved_data["param_dtype"].toInt());
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const size_t n = sizes.size();
+    size_t biases = 0;
+    for (const auto b : has_bias) biases += b != 0;
+
+    // dx, the weights, the biases, and nothing for has_bias and compute_dtype.
+    torch::autograd::variable_list out(1 + n + biases + 2);
+    std::vector<int64_t> offset(n, 0), bias_slot(n, 0);
+    for (size_t i = 1; i < n; ++i) offset[i] = offset[i - 1] + sizes[i - 1];
+    for (size_t i = 0, b = 1 + n; i < n; ++i) bias_slot[i] = has_bias[i] ? b++ : 0;
+    // dx sums the parts' products, the narrowest first: it writes dx, and the wider ones,
+    // bound by their arithmetic, hide the read of dx that accumulating costs (the gate's
+    // 192-wide part accumulating last took 43 us, memory-bound).
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] < sizes[b]; });
+    torch::Tensor dx;
+    for (const size_t i : order) {
+      if (!grads[i].defined()) continue;
+      const auto g = grads[i].reshape({-1, sizes[i]}).to(x2.scalar_type());
+      const auto w = joint.narrow(0, offset[i], sizes[i]);
+      if (dx.defined()) {
+        dx.addmm_(g, w);
+      } else {
+        dx = at::mm(g, w);
+      }
+      out[1 + i] = at::mm(g.t(), x2).to(param_dtype);
+      if (has_bias[i]) out[bias_slot[i]] = SumRows(g).to(param_dtype);
+    }
+    if (dx.defined()) out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
+    return out;
+  }
+};
 
 torch::Tensor JointWeight(const std::vector<torch::nn::Linear>& layers) {
   TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
@@ -28,14 +118,22 @@ torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
 
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers) {
-  std::vector<int64_t> sizes;
-  for (const auto& layer : layers) sizes.push_back(layer->weight.size(0));
-  auto parts = at::linear(x, JointWeight(layers)).split_with_sizes(sizes, -1);
-  for (size_t i = 0; i < layers.size(); ++i) {
-    // In the output's dtype: a float32 bias would promote a bf16 (autocast) output to float32.
-    if (layers[i]->bias.defined()) parts[i] = parts[i] + layers[i]->bias.to(parts[i].scalar_type());
+  TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
+  std::vector<torch::Tensor> params;
+  std::vector<int64_t> has_bias;
+  for (const auto& layer : layers) {
+    params.push_back(layer->weight);
+    has_bias.push_back(layer->bias.defined());
   }
-  return parts;
+  for (const auto& layer : layers) {
+    if (layer->bias.defined()) params.push_back(layer->bias);
+  }
+  // The dtype at::linear would compute in: autocast's where it is on, else the input's.
+  const auto device = x.device().type();
+  const auto compute = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
+                                                                 : x.scalar_type();
+  // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
+  return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias, static_cast<int64_t>(compute));
 }
 
 }  // namespace nsad

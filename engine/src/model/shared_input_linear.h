@@ -23,10 +23,10 @@ torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x
 // Why: under bf16 autocast each separate layer casts the float32 input again, and in the
 // backward each hands back its own input gradient, cast to float32 and summed with the
 // others; one GEMM casts once, sums the input gradient inside the GEMM (float32
-// accumulators) and runs at a larger, more efficient N. Its backward through split is one
-// concatenation of the output gradients. A bias is added to its own part only: a joint bias
-// (zeros for the layers without one) would make the backward reduce the whole joint
-// gradient for it.
+// accumulators) and runs at a larger, more efficient N. It is one autograd node with its own
+// backward: each part's gradient goes into dx and its layer's gradients directly, without
+// the concatenation autograd's split backward makes, and a bias gradient sums its own part
+// only (the forward adds the biases in the GEMM's epilogue).
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers);
 // The joint output [..., sum of out_features] = [layers[0](x) | layers[1](x) | ...], for
