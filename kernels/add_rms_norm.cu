@@ -210,7 +210,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
       launch(AddRmsNormBackwardKernel<scalar_t, 1>);
     }
   });
-  return {ds, dy, dw_partial.sum(0)};
+  // The partials' column sums as a product with ones: at::sum over the 528 rows of [528, 768]
+  // took 21 us on an H100 (6 CTAs), a matrix-vector product a few.
+  return {ds, dy, at::mv(dw_partial.t(), at::ones({ctas}, dw_partial.options()))};
 }
 
 }  // namespace nsad::nsa::cuda::detail
