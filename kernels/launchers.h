@@ -28,10 +28,12 @@ bool KernelImageLoads();
 std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const at::Tensor& block_idx, const Geo& g);
-// Returns dq, dk, dv.
+// Returns dq, dk, dv. With dq_sum (float32, shaped like q) dq is added into *dq_sum instead
+// and comes back undefined: a caller summing several branches' dq rounds once, at the end.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g);
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
+    at::Tensor* dq_sum = nullptr);
 
 // Compressed attention: out [B,T,H,D], lse [B,T,H], importance [B,T,G,NS].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,
@@ -69,11 +71,13 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
 bool UseTiledWindowForward(const at::Tensor& q);
 // Sliding-window backward on the warpgroup-MMA dK/dV kernel (window_attention.cu), given the
 // forward's out and its lse as WindowForward returns it: dq, dk, dv in the inputs' types.
-// bf16/fp16, head_dim 64 or 128, an sm_90 device.
+// bf16/fp16, head_dim 64 or 128, an sm_90 device. dq_sum as in SelectedBackward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
-                                                              int64_t window);
+                                                              int64_t window, at::Tensor* dq_sum = nullptr);
+// Checks that dq_sum is a float32 tensor shaped like q on q's device.
+void CheckDqSum(const at::Tensor& dq_sum, const at::Tensor& q);
 // Whether the window backward runs WindowBackward (WindowKernelChoice); a forced kWgmma that
 // cannot run fails.
 bool UseWgmmaWindowBackward(const at::Tensor& q);

@@ -152,42 +152,94 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
 // units); else FlashAttention-2's, given them in FlashAttention's layout ([B,H,T], natural log)
 // and, as its own forward returns them without dropout, empty RNG tensors. The saved lse is
 // in the layout the backward reads, so only a forward and backward of different kinds convert.
+// The window's forward as SlidingWindowFn saves it: out, lse (in the layout the backward
+// named by wgmma_backward reads), and FlashAttention-2's RNG state and its unused partner.
+struct WindowSaved {
+  torch::Tensor out, lse, rng_state, unused;
+};
+WindowSaved WindowForwardToSave(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                int64_t window, bool tiled_forward, bool wgmma_backward) {
+  const int64_t T = q.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  WindowSaved w;
+  if (tiled_forward) {
+    std::tie(w.out, w.lse) = detail::WindowForward(q, k, v, window);
+    if (!wgmma_backward) w.lse = (w.lse * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
+    w.rng_state = torch::empty({}, torch::kLong);
+    w.unused = torch::empty({}, torch::kLong);
+  } else {
+    std::tie(w.out, w.lse, w.rng_state, w.unused, std::ignore) = at::_flash_attention_forward(
+        q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
+        /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
+    if (wgmma_backward) w.lse = (w.lse * static_cast<float>(M_LOG2E)).transpose(1, 2).contiguous();
+  }
+  return w;
+}
+
+// dq, dk, dv of the window; with dq_sum, dq is added into it (float32) and comes back undefined.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WindowGradients(
+    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const WindowSaved& w, int64_t window, bool wgmma_backward, torch::Tensor* dq_sum) {
+  if (wgmma_backward) return detail::WindowBackward(dout, q, k, v, w.out, w.lse, window, dq_sum);
+  const int64_t T = q.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  auto [dq, dk, dv] = at::_flash_attention_backward(
+      dout.contiguous(), q, k, v, w.out, w.lse, torch::Tensor(), torch::Tensor(), T, T, /*dropout_p=*/0.0,
+      /*is_causal=*/true, w.rng_state, w.unused, scale, window - 1, /*window_size_right=*/0);
+  if (dq_sum) {
+    dq_sum->add_(dq);
+    dq = torch::Tensor();
+  }
+  return {dq, dk, dv};
+}
+
 struct SlidingWindowFn : torch::autograd::Function<SlidingWindowFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, int64_t window, bool tiled_forward, bool wgmma_backward) {
-    const int64_t T = q.size(1);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    torch::Tensor out, lse, rng_state, unused;
-    if (tiled_forward) {
-      std::tie(out, lse) = detail::WindowForward(q, k, v, window);
-      if (!wgmma_backward) lse = (lse * static_cast<float>(M_LN2)).transpose(1, 2).contiguous();
-      rng_state = torch::empty({}, torch::kLong);
-      unused = torch::empty({}, torch::kLong);
-    } else {
-      std::tie(out, lse, rng_state, unused, std::ignore) = at::_flash_attention_forward(
-          q, k, v, std::nullopt, std::nullopt, T, T, /*dropout_p=*/0.0, /*is_causal=*/true,
-          /*return_debug_mask=*/false, scale, window - 1, /*window_size_right=*/0);
-      if (wgmma_backward) lse = (lse * static_cast<float>(M_LOG2E)).transpose(1, 2).contiguous();
-    }
-    ctx->save_for_backward({q, k, v, out, lse, rng_state, unused});
+    const auto w = WindowForwardToSave(q, k, v, window, tiled_forward, wgmma_backward);
+    ctx->save_for_backward({q, k, v, w.out, w.lse, w.rng_state, w.unused});
     ctx->saved_data["window"] = window;
     ctx->saved_data["wgmma_backward"] = wgmma_backward;
-    return out;
+    return w.out;
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto s = ctx->get_saved_variables();
-    const int64_t T = s[0].size(1);
-    const int64_t window = ctx->saved_data["window"].toInt();
-    if (ctx->saved_data["wgmma_backward"].toBool()) {
-      auto [dq, dk, dv] = detail::WindowBackward(grads[0], s[0], s[1], s[2], s[3], s[4], window);
-      return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    }
-    const double scale = 1.0 / std::sqrt(static_cast<double>(s[0].size(3)));
-    auto [dq, dk, dv] = at::_flash_attention_backward(
-        grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], torch::Tensor(), torch::Tensor(), T,
-        T, /*dropout_p=*/0.0, /*is_causal=*/true, s[5], s[6], scale, window - 1,
-        /*window_size_right=*/0);
+    auto [dq, dk, dv] = WindowGradients(grads[0], s[0], s[1], s[2], {s[3], s[4], s[5], s[6]},
+                                        ctx->saved_data["window"].toInt(),
+                                        ctx->saved_data["wgmma_backward"].toBool(), nullptr);
     return {dq, dk, dv, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// The selected and window branches as one node (bf16/fp16): the forwards as in
+// SelectedAttentionFn and SlidingWindowFn; the backward adds both branches' dq into one
+// float32 sum and rounds it once. Two nodes each rounded their own float32 dq (45 us each at
+// batch 16, T=2048, D64 12:2 on an H100) and autograd then added the two (another 45 us).
+struct SelectedAndWindowFn : torch::autograd::Function<SelectedAndWindowFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k_slc,
+                             const torch::Tensor& v_slc, const torch::Tensor& block_idx, const torch::Tensor& k_win,
+                             const torch::Tensor& v_win, const Geometry& g, bool tiled_forward, bool wgmma_backward) {
+    RECORD_FUNCTION("nsa::selected_and_window_forward", std::vector<c10::IValue>());
+    auto [o_slc, lse_slc] = detail::SelectedForward(q, k_slc, v_slc, block_idx, ToGeo(g));
+    const auto w = WindowForwardToSave(q, k_win, v_win, g.window, tiled_forward, wgmma_backward);
+    ctx->save_for_backward({q, k_slc, v_slc, o_slc, lse_slc, block_idx, k_win, v_win, w.out, w.lse, w.rng_state,
+                            w.unused});
+    SaveGeometry(ctx, g);
+    ctx->saved_data["wgmma_backward"] = wgmma_backward;
+    return {o_slc, w.out};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::selected_and_window_backward", std::vector<c10::IValue>());
+    const auto s = ctx->get_saved_variables();
+    const auto& q = s[0];
+    const Geometry g = LoadGeometry(ctx);
+    auto dq_sum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    auto [dq_s, dk_slc, dv_slc] =
+        detail::SelectedBackward(grads[0], q, s[1], s[2], s[3], s[4], s[5], ToGeo(g), &dq_sum);
+    auto [dq_w, dk_win, dv_win] = WindowGradients(grads[1], q, s[6], s[7], {s[8], s[9], s[10], s[11]}, g.window,
+                                                  ctx->saved_data["wgmma_backward"].toBool(), &dq_sum);
+    return {dq_sum.to(q.scalar_type()), dk_slc, dv_slc, torch::Tensor(), dk_win, dv_win,
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -234,6 +286,25 @@ torch::Tensor SelectedAttention(const torch::Tensor& q, const torch::Tensor& k,
                                 const Geometry& g) {
   return SelectedAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                     block_idx.to(torch::kInt).contiguous(), g);
+}
+
+std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::Tensor& q, const torch::Tensor& k_slc,
+                                                                   const torch::Tensor& v_slc,
+                                                                   const torch::Tensor& block_idx,
+                                                                   const torch::Tensor& k_win,
+                                                                   const torch::Tensor& v_win, const Geometry& g) {
+  if (q.scalar_type() != torch::kHalf && q.scalar_type() != torch::kBFloat16) {
+    return {SelectedAttention(q, k_slc, v_slc, block_idx, g), SlidingWindowAttention(q, k_win, v_win, g)};
+  }
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(k_win.dim() == 4 && v_win.dim() == 4, "k_win, v_win must be [B,T,G,D]");
+  TORCH_CHECK(g.window > 0, "window must be positive");
+  const bool tiled_forward = detail::UseTiledWindowForward(q);
+  const bool wgmma_backward = detail::UseWgmmaWindowBackward(q);
+  const auto outs = SelectedAndWindowFn::apply(q.contiguous(), k_slc.contiguous(), v_slc.contiguous(),
+                                               block_idx.to(torch::kInt).contiguous(), k_win.contiguous(),
+                                               v_win.contiguous(), g, tiled_forward, wgmma_backward);
+  return {outs[0], outs[1]};
 }
 
 torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,

@@ -29,5 +29,13 @@ torch::Tensor SelectedAttention(const torch::Tensor& q, const torch::Tensor& k,
                                 const Geometry& g);
 torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const Geometry& g);
+// {SelectedAttention(q, k_slc, v_slc, block_idx, g), SlidingWindowAttention(q, k_win, v_win, g)}
+// as one autograd node for bf16/fp16 (separate calls for fp32): the two branches' dq are
+// summed in float32 and rounded once, instead of rounded each and added by autograd.
+std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::Tensor& q, const torch::Tensor& k_slc,
+                                                                   const torch::Tensor& v_slc,
+                                                                   const torch::Tensor& block_idx,
+                                                                   const torch::Tensor& k_win,
+                                                                   const torch::Tensor& v_win, const Geometry& g);
 
 }  // namespace nsad::nsa::cuda

@@ -972,8 +972,10 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g) {
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
+    at::Tensor* dq_sum) {
   CheckSelected(q, k, v, block_idx, g);
+  if (dq_sum) CheckDqSum(*dq_sum, q);
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k);
   const int n = static_cast<int>(block_idx.size(3));
@@ -982,8 +984,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
   const bool fused_dq = UseFusedDq(choice, q, s);
-  // Fused: float32 sums of every block's dQ rows, rounded to q's type at the end.
-  auto dq_acc = fused_dq ? ZeroFloats(q.sizes(), q.options()) : at::Tensor();
+  // Fused: float32 sums of every block's dQ rows, rounded to q's type at the end (by the
+  // caller, with dq_sum).
+  auto dq_acc = fused_dq ? (dq_sum ? *dq_sum : ZeroFloats(q.sizes(), q.options())) : at::Tensor();
   auto dq = fused_dq ? at::Tensor() : at::empty_like(q);
   auto dk_acc = ZeroFloats(k.sizes(), k.options());
   auto dv_acc = ZeroFloats(v.sizes(), v.options());
@@ -1022,7 +1025,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
       }
     });
   });
-  if (fused_dq) dq = dq_acc.to(q.scalar_type());
+  if (dq_sum) {
+    if (!fused_dq) dq_sum->add_(dq);
+    dq = at::Tensor();
+  } else if (fused_dq) {
+    dq = dq_acc.to(q.scalar_type());
+  }
   return {dq, dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
 }
 

@@ -160,10 +160,11 @@ bool UseWgmmaWindowBackward(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout_in, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
-                                                              int64_t window) {
+                                                              int64_t window, at::Tensor* dq_sum) {
   CheckWindowInputs(q, k, v, window);
   TORCH_CHECK(q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128),
               "the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128");
+  if (dq_sum) CheckDqSum(*dq_sum, q);
   TORCH_CHECK(out.sizes() == q.sizes() && dout_in.sizes() == q.sizes(), "out and dout must be shaped like q");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == q.size(0) &&
                   lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
@@ -172,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& 
   const Shape s = MakeShape(q, k);
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = RowDot(dout, out);
-  auto dq_acc = ZeroFloats(q.sizes(), q.options());
+  auto dq_acc = dq_sum ? *dq_sum : ZeroFloats(q.sizes(), q.options());
   auto dk_acc = ZeroFloats(k.sizes(), k.options());
   auto dv_acc = ZeroFloats(v.sizes(), v.options());
   const int key_blocks = (s.T + kBlock - 1) / kBlock;
@@ -198,7 +199,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& 
       });
     });
   }
-  return {dq_acc.to(q.scalar_type()), dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
+  return {dq_sum ? at::Tensor() : dq_acc.to(q.scalar_type()), dk_acc.to(k.scalar_type()),
+          dv_acc.to(v.scalar_type())};
+}
+
+void CheckDqSum(const at::Tensor& dq_sum, const at::Tensor& q) {
+  TORCH_CHECK(dq_sum.scalar_type() == at::kFloat && dq_sum.sizes() == q.sizes() && dq_sum.is_contiguous() &&
+                  dq_sum.device() == q.device(),
+              "dq_sum must be a contiguous float32 tensor shaped like q on its device");
 }
 
 }  // namespace nsad::nsa::cuda::detail

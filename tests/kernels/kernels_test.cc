@@ -645,6 +645,49 @@ TEST_P(KernelsTest, SlidingWindowEachBackwardAfterEachForward) {
   }
 }
 
+// The selected and window branches as one autograd node (the model's call) against the float32
+// reference of both: outputs and the five gradients, dq being the two branches' summed in
+// float32 and rounded once. bf16/fp16 after each window backward; fp32 takes separate calls.
+TEST_P(KernelsTest, SelectedAndWindowInOneNodeMatchTheReference) {
+  using Win = cuda::detail::WindowKernelChoice;
+  const Case c = GetParam();
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  auto q = Random({kBatch, c.T, c.H, c.D});
+  auto ks = Random({kBatch, c.T, c.G, c.D}), vs = Random({kBatch, c.T, c.G, c.D});
+  auto kw = Random({kBatch, c.T, c.G, c.D}), vw = Random({kBatch, c.T, c.G, c.D});
+  const auto importance = torch::rand({kBatch, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  const auto grad_s = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto grad_w = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+
+  auto q32 = Upcast(q), ks32 = Upcast(ks), vs32 = Upcast(vs), kw32 = Upcast(kw), vw32 = Upcast(vw);
+  const auto ref_s = SelectedAttentionReference(q32, ks32, vs32, idx, geo_);
+  const auto ref_w = SlidingWindowAttentionReference(q32, kw32, vw32, geo_);
+  torch::autograd::backward({ref_s, ref_w}, {grad_s.to(torch::kFloat), grad_w.to(torch::kFloat)});
+
+  std::vector<Win::Backward> backwards = {Win::Backward::kAuto};
+  if (c.dtype != torch::kFloat) {
+    backwards = {Win::Backward::kFlash};
+    if (cuda::detail::WgmmaRunsHere() && (c.D == 64 || c.D == 128)) backwards.push_back(Win::Backward::kWgmma);
+  }
+  for (const Win::Backward backward : backwards) {
+    SCOPED_TRACE(backward == Win::Backward::kFlash ? "flash backward" : "wgmma/auto backward");
+    const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, backward});
+    for (auto* t : {&q, &ks, &vs, &kw, &vw}) t->mutable_grad().reset();
+    Poison();
+    const auto [out_s, out_w] = cuda::SelectedAndWindowAttention(q, ks, vs, idx, kw, vw, geo_);
+    Poison();
+    torch::autograd::backward({out_s, out_w}, {grad_s, grad_w});
+    ExpectClose(out_s, ref_s, "out slc");
+    ExpectClose(out_w, ref_w, "out win");
+    ExpectClose(q.grad(), q32.grad(), "dq");
+    ExpectClose(ks.grad(), ks32.grad(), "dk slc");
+    ExpectClose(vs.grad(), vs32.grad(), "dv slc");
+    ExpectClose(kw.grad(), kw32.grad(), "dk win");
+    ExpectClose(vw.grad(), vw32.grad(), "dv win");
+  }
+}
+
 // A window of one key makes each row's softmax that key alone (P = 1), so the backward is
 // known exactly: dS = P (dO.V - dO.O) = 0, so dQ = dK = 0, and dV of a position is the sum
 // of dO over the group's heads at that position. A mask that let in any other key would give

@@ -152,8 +152,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
   const auto& block_idx = cmp.block_idx;
-  const auto o_slc = SelectedAttention(backend_, q, k_slc, v_slc, block_idx, g);
-  const auto o_win = SlidingWindowAttention(backend_, q, k_win, v_win, g);
+  const auto [o_slc, o_win] = SelectedAndWindowAttention(backend_, q, k_slc, v_slc, block_idx, k_win, v_win, g);
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.

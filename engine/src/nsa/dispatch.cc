@@ -69,6 +69,20 @@ torch::Tensor SelectedAttention(AttentionBackend backend, const torch::Tensor& q
   return SelectedAttentionReference(q, k, v, block_idx, g);
 }
 
+std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(AttentionBackend backend, const torch::Tensor& q,
+                                                                   const torch::Tensor& k_slc,
+                                                                   const torch::Tensor& v_slc,
+                                                                   const torch::Tensor& block_idx,
+                                                                   const torch::Tensor& k_win,
+                                                                   const torch::Tensor& v_win, const Geometry& g) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend)) return cuda::SelectedAndWindowAttention(q, k_slc, v_slc, block_idx, k_win, v_win, g);
+#else
+  UseCuda(backend);
+#endif
+  return {SelectedAttentionReference(q, k_slc, v_slc, block_idx, g), SlidingWindowAttentionReference(q, k_win, v_win, g)};
+}
+
 torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tensor& q,
                                      const torch::Tensor& k, const torch::Tensor& v,
                                      const Geometry& g) {

@@ -28,6 +28,14 @@ torch::Tensor SelectedAttention(AttentionBackend backend, const torch::Tensor& q
 torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tensor& q,
                                      const torch::Tensor& k, const torch::Tensor& v,
                                      const Geometry& g);
+// Both of the above for one q: {selected, window}. On the CUDA kernels one autograd node
+// whose backward sums the two branches' dq in float32 and rounds once (nsa_cuda.h).
+std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(AttentionBackend backend, const torch::Tensor& q,
+                                                                   const torch::Tensor& k_slc,
+                                                                   const torch::Tensor& v_slc,
+                                                                   const torch::Tensor& block_idx,
+                                                                   const torch::Tensor& k_win,
+                                                                   const torch::Tensor& v_win, const Geometry& g);
 
 // The attention module's elementwise steps. With the CUDA backend and CUDA tensors of a
 // type the kernels take (bf16, fp16, fp32) they run the fused kernels (kernels/fused_ops.h);
