@@ -81,8 +81,8 @@ CompressedKernelChoice GetCompressedKernelChoice();
 // a window (the path before), kAuto the tiled kernel at head_dim 64 and FlashAttention-2
 // otherwise (measured). Backward: kWgmma runs the key-centric warpgroup-MMA dK/dV kernel with
 // fused dQ (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) over the window's key
-// blocks, kFlash FlashAttention-2's windowed backward (the path before), kAuto kWgmma at
-// head_dim 64 where it runs, FlashAttention-2 otherwise (measured). fp32 takes its own path
+// blocks, kFlash FlashAttention-2's windowed backward (the path before), kAuto kWgmma wherever
+// it runs (head_dim 64 and 128, sm_90), FlashAttention-2 otherwise (measured). fp32 takes its own path
 // (a forced kTiled or kWgmma fails there, as on other head dims or devices).
 struct WindowKernelChoice {
   enum class Forward { kAuto, kFlash, kTiled };

@@ -142,11 +142,12 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
   return {out, lse};
 }
 
-// Auto takes the warpgroup-MMA backward at head_dim 64 only. Measured on H100 (nsa_bench, one
-// NSA layer forward+backward, FlashAttention-2's window backward -> this one, two rounds):
-// B16 T2048 D64 12:2 3.472-3.485 -> 3.429-3.447 ms (ncu: 0.590 + 0.073 + 0.057 ms of
-// FlashAttention-2 kernels -> 0.601 ms kernel + 0.036 delta + conversions), 64k D64 12:2
-// 14.477 -> 14.460 ms; but 64k D128 12:2 26.447 -> 26.537 (the D=128 build spills).
+// Auto takes the warpgroup-MMA backward wherever it runs (head_dim 64 and 128). Measured on
+// H100 (nsa_bench, one NSA layer forward+backward, FlashAttention-2's window backward -> this
+// one, two rounds in one call): B16 T2048 D64 12:2 3.472-3.485 -> 3.429-3.447 ms (2026-11-23;
+// the kernel is faster since); at D=128, first taken at 64 only because it lost there, on
+// 2026-11-25: B16 T2048 12:2 5.786/5.808 -> 5.643/5.604 ms, 64k 12:2 26.142/26.292 ->
+// 25.699/25.640 ms, 64k 64:4 124.856/124.162 -> 123.197/122.892 ms.
 bool UseWgmmaWindowBackward(const at::Tensor& q) {
   const auto backward = window_backward.load();
   if (backward == WindowKernelChoice::Backward::kFlash) return false;
@@ -154,7 +155,7 @@ bool UseWgmmaWindowBackward(const at::Tensor& q) {
   TORCH_CHECK(backward != WindowKernelChoice::Backward::kWgmma || applies,
               "WindowKernelChoice: the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128 on an "
               "sm_90 device (kernels built for sm_90a)");
-  return backward == WindowKernelChoice::Backward::kWgmma || (applies && q.size(3) == 64);
+  return applies;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout_in, const at::Tensor& q,
