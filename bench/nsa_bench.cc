@@ -300,12 +300,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--slc-dkdv %s is a D=64 build: run it with --dims 64\n", NameOf(kSlcDkDvNames, choice.dkdv));
     return 2;
   }
-  if (choice.queries_per_item < 0 || choice.queries_per_item > 512) {
-    std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..512\n");
+  // The kernels check these too; here they fail before any work, naming the flag.
+  if (choice.queries_per_item < 0 || choice.queries_per_item > nsa_cuda::detail::kMaxSelectedQueriesPerItem) {
+    std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..%d\n", nsa_cuda::detail::kMaxSelectedQueriesPerItem);
     return 2;
   }
-  if (win_choice.queries_per_item < 0 || win_choice.queries_per_item > 320) {
-    std::fprintf(stderr, "--win-qpc takes 0 (auto) or 1..320\n");
+  if (win_choice.queries_per_item < 0 || win_choice.queries_per_item > nsa_cuda::detail::kMaxWindowQueriesPerItem) {
+    std::fprintf(stderr, "--win-qpc takes 0 (auto) or 1..%d\n", nsa_cuda::detail::kMaxWindowQueriesPerItem);
     return 2;
   }
   if (!torch::cuda::is_available() || !nsa_cuda::Available()) {

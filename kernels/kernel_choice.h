@@ -18,6 +18,12 @@
 
 namespace nsad::nsa::cuda::detail {
 
+// The most positions one dK/dV work item holds (its positions live in shared memory): the
+// bounds of SelectedKernelChoice::queries_per_item and WindowKernelChoice::queries_per_item,
+// and the kernels' compile-time sizes.
+constexpr int kMaxSelectedQueriesPerItem = 512;
+constexpr int kMaxWindowQueriesPerItem = 320;
+
 struct SelectedKernelChoice {
   // Forward and dQ on tensor cores (bf16/fp16 inputs): per position, the group's heads as
   // the MMA rows (kHeads), or flattened (position, head) rows over the union of neighbours'
@@ -49,7 +55,7 @@ struct SelectedKernelChoice {
   Dq dq = Dq::kAuto;
   Order order = Order::kAuto;
   // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
-  // the measured default (128), else 1..512 (the kernels keep the item's positions in shared
+  // the measured default (128), else 1..kMaxSelectedQueriesPerItem (the kernels keep the item's positions in shared
   // memory).
   int queries_per_item = 0;
   // kBlocks forward: bytes of partial results per pass over whole batch elements; 0 is the
@@ -82,15 +88,15 @@ CompressedKernelChoice GetCompressedKernelChoice();
 // otherwise (measured). Backward: kWgmma runs the key-centric warpgroup-MMA dK/dV kernel with
 // fused dQ (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) over the window's key
 // blocks, kFlash FlashAttention-2's windowed backward (the path before), kAuto kWgmma wherever
-// it runs (head_dim 64 and 128, sm_90), FlashAttention-2 otherwise (measured). fp32 takes its own path
-// (a forced kTiled or kWgmma fails there, as on other head dims or devices).
+// it runs (head_dim 64 and 128, sm_90), FlashAttention-2 otherwise (measured). fp32 takes its
+// own path (a forced kTiled or kWgmma fails there, as on other head dims or devices).
 struct WindowKernelChoice {
   enum class Forward { kAuto, kFlash, kTiled };
   enum class Backward { kAuto, kFlash, kWgmma };
   Forward forward = Forward::kAuto;
   Backward backward = Backward::kAuto;
   // kWgmma backward: positions per work item (a 64-key block's slice of the positions that
-  // attend it); 0 is the measured default, else 1..320.
+  // attend it); 0 is the measured default, else 1..kMaxWindowQueriesPerItem.
   int queries_per_item = 0;
 };
 

@@ -65,7 +65,7 @@ SelectedKernelChoice GetSelectedKernelChoice() {
 namespace {
 
 constexpr int kQueriesPerCta = 128;  // measured on H100: 128 beat 64 at B16 T2048 and at 64k
-constexpr int kMaxQueriesPerCta = 512;  // the staged dK/dV kernel keeps positions in smem
+constexpr int kMaxQueriesPerCta = kMaxSelectedQueriesPerItem;  // the dK/dV kernels keep positions in smem
 // The staged dK/dV build the auto choice takes at D=64 where the warpgroup-MMA kernel cannot
 // run, with and without fused dQ (see LaunchSelectedDkDv; measured on H100, PERFORMANCE.md).
 constexpr SelectedKernelChoice::DkDv kDefaultDkDv64 = SelectedKernelChoice::DkDv::kStaged32x3;

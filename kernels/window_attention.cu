@@ -100,7 +100,7 @@ void CheckWindowInputs(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // Positions per backward work item: the default, and the most a CTA holds (its positions
 // sit in shared memory).
 constexpr int kWindowQueriesPerCta = 128;
-constexpr int kWindowMaxQueriesPerCta = 320;
+constexpr int kWindowMaxQueriesPerCta = kMaxWindowQueriesPerItem;
 
 }  // namespace
 
