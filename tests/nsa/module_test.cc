@@ -94,14 +94,31 @@ TEST(SharedInputLinear, BiasedPartsStayInTheAutocastType) {
 // plus the position encoding, flattened, through Linear -> SiLU -> Linear. Output and every
 // gradient, for strides that divide the block length (the chunked form: r = 1, 2, 4) and
 // one that does not (unfolded), with lengths that leave a partial block and none at all.
+Geometry CompressionGeometry(int64_t l, int64_t d) {
+  Geometry g;
+  g.cmp_block = l;
+  g.cmp_stride = d;
+  return g;
+}
+
+// The paper's definition written out: block j = tokens [j d, j d + l) plus the position
+// encoding, flattened, through first -> SiLU -> second. Needs at least one block.
+torch::Tensor CompressByDefinition(const torch::Tensor& tokens, const torch::Tensor& pos, torch::nn::Linear first,
+                                   torch::nn::Linear second, const Geometry& g) {
+  const int64_t B = tokens.size(0), G = tokens.size(2), D = tokens.size(3), l = g.cmp_block;
+  std::vector<torch::Tensor> blocks;
+  for (int64_t j = 0; j < NumCmpBlocks(tokens.size(1), g); ++j) {
+    blocks.push_back((tokens.narrow(1, j * g.cmp_stride, l).permute({0, 2, 1, 3}) + pos).reshape({B, G, l * D}));
+  }
+  return second->forward(torch::silu(first->forward(torch::stack(blocks, 1))));
+}
+
 TEST(CompressBlocks, MatchesTheDefinition) {
   const int64_t B = 2, G = 3, D = 4, hidden = 6;
   for (const auto& [l, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {8, 4}, {8, 2}, {8, 3}}) {
     for (const int64_t T : {7, 8, 37}) {
       torch::manual_seed(l * 100 + d * 10 + T);
-      Geometry g;
-      g.cmp_block = l;
-      g.cmp_stride = d;
+      const Geometry g = CompressionGeometry(l, d);
       const int64_t N = NumCmpBlocks(T, g);
       torch::nn::Linear first(l * D, hidden), second(hidden, D);
       first->to(torch::kDouble);
@@ -111,11 +128,7 @@ TEST(CompressBlocks, MatchesTheDefinition) {
       const auto got = CompressBlocks(tokens, pos, first, second, g);
       ASSERT_EQ(got.sizes(), (std::vector<int64_t>{B, N, G, D}));
       if (N == 0) continue;
-      std::vector<torch::Tensor> blocks;
-      for (int64_t j = 0; j < N; ++j) {
-        blocks.push_back((tokens.narrow(1, j * d, l).permute({0, 2, 1, 3}) + pos).reshape({B, G, l * D}));
-      }
-      const auto want = second->forward(torch::silu(first->forward(torch::stack(blocks, 1))));
+      const auto want = CompressByDefinition(tokens, pos, first, second, g);
       EXPECT_LT(MaxDiff(got, want), 1e-12) << "l=" << l << " d=" << d << " T=" << T;
       const auto w = torch::randn_like(want);
       const std::vector<torch::Tensor> inputs = {tokens, pos, first->weight, first->bias, second->weight};
@@ -137,9 +150,7 @@ TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
   for (const auto& [l, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {8, 4}, {8, 2}}) {
     for (const int64_t T : {7, 8, 37}) {
       torch::manual_seed(l * 100 + d * 10 + T);
-      Geometry g;
-      g.cmp_block = l;
-      g.cmp_stride = d;
+      const Geometry g = CompressionGeometry(l, d);
       const int64_t N = NumCmpBlocks(T, g);
       std::vector<Compressor> compressors;
       std::vector<torch::Tensor> tokens, inputs;
@@ -159,13 +170,8 @@ TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
       if (N == 0) continue;
       std::vector<torch::Tensor> want;
       for (int p = 0; p < 2; ++p) {
-        std::vector<torch::Tensor> blocks;
-        for (int64_t j = 0; j < N; ++j) {
-          blocks.push_back((tokens[p].narrow(1, j * d, l).permute({0, 2, 1, 3}) + compressors[p].position_encoding)
-                               .reshape({B, G, l * D}));
-        }
-        auto c = compressors[p];  // shares the modules
-        want.push_back(c.second->forward(torch::silu(c.first->forward(torch::stack(blocks, 1)))));
+        const auto& c = compressors[p];
+        want.push_back(CompressByDefinition(tokens[p], c.position_encoding, c.first, c.second, g));
         EXPECT_LT(MaxDiff(got[p], want[p]), 1e-12) << "p=" << p << " l=" << l << " d=" << d << " T=" << T;
       }
       for (const bool both : {true, false}) {
