@@ -116,6 +116,11 @@ torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
   return at::linear(x, JointWeight(layers));
 }
 
+torch::ScalarType LinearComputeType(const torch::Tensor& x) {
+  const auto device = x.device().type();
+  return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+}
+
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers) {
   TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
@@ -128,12 +133,9 @@ std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
   for (const auto& layer : layers) {
     if (layer->bias.defined()) params.push_back(layer->bias);
   }
-  // The dtype at::linear would compute in: autocast's where it is on, else the input's.
-  const auto device = x.device().type();
-  const auto compute = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
-                                                                 : x.scalar_type();
   // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
-  return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias, static_cast<int64_t>(compute));
+  return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias,
+                                    static_cast<int64_t>(LinearComputeType(x)));
 }
 
 }  // namespace nsad

@@ -16,6 +16,10 @@ namespace nsad {
 // longer than the GEMM itself).
 torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x);
 
+// The dtype at::linear computes in for input x: autocast's where it is on for x's device,
+// else x's own. For autograd nodes that run their GEMMs with autocast off.
+torch::ScalarType LinearComputeType(const torch::Tensor& x);
+
 // y = x [W_1; ...; W_n]^T, split back into the n outputs, each plus its layer's bias if it
 // has one. The parameters stay the layers' own (names, checkpoints and init unchanged);
 // only the forward is fused.

@@ -1,6 +1,5 @@
 #include "nsa/compress.h"
 
-#include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "model/row_ops.h"
@@ -175,9 +174,7 @@ std::vector<torch::Tensor> CompressBlocksTogether(const std::vector<torch::Tenso
   TORCH_CHECK(x0.dim() == 4, "CompressBlocksTogether takes tokens [B,T,G,D], got ", x0.sizes());
   const int64_t B = x0.size(0), T = x0.size(1), G = x0.size(2), D = x0.size(3);
   const int64_t N = NumCmpBlocks(T, g);
-  const auto device = x0.device().type();
-  const auto compute = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
-                                                                 : x0.scalar_type();
+  const auto compute = LinearComputeType(x0);  // as CompressBlocks' at::linear calls
   if (N == 0) {
     return std::vector<torch::Tensor>(tokens.size(), torch::zeros({B, 0, G, D}, x0.options().dtype(compute)));
   }
