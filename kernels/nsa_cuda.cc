@@ -152,8 +152,10 @@ struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
 // units); else FlashAttention-2's, given them in FlashAttention's layout ([B,H,T], natural log)
 // and, as its own forward returns them without dropout, empty RNG tensors. The saved lse is
 // in the layout the backward reads, so only a forward and backward of different kinds convert.
-// The window's forward as SlidingWindowFn saves it: out, lse (in the layout the backward
-// named by wgmma_backward reads), and FlashAttention-2's RNG state and its unused partner.
+// SlidingWindowFn and SelectedAndWindowFn share the two halves below.
+
+// The window's forward as it is saved: out, lse (in the layout the backward named by
+// wgmma_backward reads), and FlashAttention-2's RNG state and its unused partner.
 struct WindowSaved {
   torch::Tensor out, lse, rng_state, unused;
 };
@@ -258,6 +260,19 @@ torch::Tensor SlidingWindowMasked(const torch::Tensor& q, const torch::Tensor& k
       .contiguous();
 }
 
+// The window's forward and backward for these inputs, after checking them; a forced choice
+// (WindowKernelChoice) this input cannot take fails here, fp32 included.
+struct WindowPaths {
+  bool tiled_forward, wgmma_backward;
+};
+WindowPaths ChooseWindowPaths(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const Geometry& g) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B,T,*,D]");
+  TORCH_CHECK(g.window > 0, "window must be positive");
+  return {detail::UseTiledWindowForward(q), detail::UseWgmmaWindowBackward(q)};
+}
+
 }  // namespace
 
 bool Available() {
@@ -296,28 +311,19 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
   if (q.scalar_type() != torch::kHalf && q.scalar_type() != torch::kBFloat16) {
     return {SelectedAttention(q, k_slc, v_slc, block_idx, g), SlidingWindowAttention(q, k_win, v_win, g)};
   }
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
-  TORCH_CHECK(k_win.dim() == 4 && v_win.dim() == 4, "k_win, v_win must be [B,T,G,D]");
-  TORCH_CHECK(g.window > 0, "window must be positive");
-  const bool tiled_forward = detail::UseTiledWindowForward(q);
-  const bool wgmma_backward = detail::UseWgmmaWindowBackward(q);
+  const WindowPaths paths = ChooseWindowPaths(q, k_win, v_win, g);
   const auto outs = SelectedAndWindowFn::apply(q.contiguous(), k_slc.contiguous(), v_slc.contiguous(),
                                                block_idx.to(torch::kInt).contiguous(), k_win.contiguous(),
-                                               v_win.contiguous(), g, tiled_forward, wgmma_backward);
+                                               v_win.contiguous(), g, paths.tiled_forward, paths.wgmma_backward);
   return {outs[0], outs[1]};
 }
 
 torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const Geometry& g) {
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B,T,*,D]");
-  TORCH_CHECK(g.window > 0, "window must be positive");
-  // A forced choice this input cannot take fails here, fp32 included.
-  const bool tiled_forward = detail::UseTiledWindowForward(q);
-  const bool wgmma_backward = detail::UseWgmmaWindowBackward(q);
+  const WindowPaths paths = ChooseWindowPaths(q, k, v, g);
   if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
-    return SlidingWindowFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, tiled_forward,
-                                  wgmma_backward);
+    return SlidingWindowFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, paths.tiled_forward,
+                                  paths.wgmma_backward);
   }
   return SlidingWindowMasked(q, k, v, g.window);
 }

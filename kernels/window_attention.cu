@@ -145,8 +145,9 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
 // Auto takes the warpgroup-MMA backward wherever it runs (head_dim 64 and 128). Measured on
 // H100 (nsa_bench, one NSA layer forward+backward, FlashAttention-2's window backward -> this
 // one, two rounds in one call): B16 T2048 D64 12:2 3.472-3.485 -> 3.429-3.447 ms (2026-11-23;
-// the kernel is faster since); at D=128, first taken at 64 only because it lost there, on
-// 2026-11-25: B16 T2048 12:2 5.786/5.808 -> 5.643/5.604 ms, 64k 12:2 26.142/26.292 ->
+// the kernel is faster since). At D=128 it first lost (64k 12:2 26.447 -> 26.537 ms,
+// 2026-11-23) and auto kept FlashAttention-2 there; after the kernel's speedups it wins
+// (2026-11-25): B16 T2048 12:2 5.786/5.808 -> 5.643/5.604 ms, 64k 12:2 26.142/26.292 ->
 // 25.699/25.640 ms, 64k 64:4 124.856/124.162 -> 123.197/122.892 ms.
 bool UseWgmmaWindowBackward(const at::Tensor& q) {
   const auto backward = window_backward.load();
