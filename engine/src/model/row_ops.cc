@@ -3,11 +3,9 @@
 namespace nsad {
 
 torch::Tensor SumRows(const torch::Tensor& g) {
-  TORCH_CHECK(g.dim() == 2 || g.dim() == 3, "SumRows takes [rows, n] or [P, rows, n], got ", g.sizes());
-  if (!g.is_cuda()) return g.sum(-2);
-  const int64_t rows = g.size(-2);
-  if (g.dim() == 2) return at::mv(g.t(), at::ones({rows}, g.options()));
-  return at::bmm(at::ones({g.size(0), 1, rows}, g.options()), g).squeeze(1);
+  TORCH_CHECK(g.dim() == 2, "SumRows takes [rows, n], got ", g.sizes());
+  if (!g.is_cuda()) return g.sum(0);
+  return at::mv(g.t(), at::ones({g.size(0)}, g.options()));
 }
 
 namespace {

@@ -6,10 +6,10 @@
 
 namespace nsad {
 
-// Sum over the rows of g: [rows, n] -> [n], or per batch [P, rows, n] -> [P, n], in g's
-// dtype. On CUDA a product with a vector of ones: PyTorch's reduction over the outer
-// dimension took 65 us for a [32768, 192] bf16 gradient on an H100, the product 15 us with
-// its ones and split-K reduction. (For [4064, 64] both took about 14 us.)
+// Sum over the rows of g: [rows, n] -> [n], in g's dtype. On CUDA a product with a vector of
+// ones: PyTorch's reduction over the outer dimension took 65 us for a [32768, 192] bf16
+// gradient on an H100, the product 15 us with its ones and split-K reduction. (For the
+// compression's [4064, 64] both took about 14 us, so that node keeps at::sum.)
 torch::Tensor SumRows(const torch::Tensor& g);
 
 // dst.copy_(src) for tensors of one dtype whose last dimension is contiguous, moving 8-byte
