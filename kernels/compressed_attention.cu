@@ -487,12 +487,14 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
 // forward. Per 16-key step: S = Q K^T and dP = dO V^T (ldmatrix of K / V rows),
 // dS = P (dP - delta) with P = exp2(S - lse), dQ += dS K (ldmatrix.trans of the same K
 // rows). Working in 16-key steps keeps S / dP small, so two m16 tiles per warp fit at D=64.
-template <typename scalar_t, int D>
+// dq_t: scalar_t, or float32 to start a float32 sum of several branches' dq (written, not
+// added; CompressedBackward's dq_float).
+template <typename scalar_t, int D, typename dq_t>
 __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
     CmpSmemDqKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                     const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                     const float* __restrict__ lse, const float* __restrict__ delta,
-                    scalar_t* __restrict__ dq, Shape s, int positions_per_cta, int cmp_block,
+                    dq_t* __restrict__ dq, Shape s, int positions_per_cta, int cmp_block,
                     int cmp_stride, float scale_log2, float dq_scale) {
   using Cfg = CmpSmemCfg<D>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16;
@@ -622,10 +624,17 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!row_valid[m][h]) continue;
-      uint32_t* drow = reinterpret_cast<uint32_t*>(dq + row_index[m][h] * D);
+      if constexpr (std::is_same_v<dq_t, float>) {
+        float2* drow = reinterpret_cast<float2*>(dq + row_index[m][h] * D);
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        drow[4 * i + c] = mma::Pack<kBf16>(acc[m][i][2 * h] * dq_scale, acc[m][i][2 * h + 1] * dq_scale);
+        for (int i = 0; i < D / 8; ++i)
+          drow[4 * i + c] = make_float2(acc[m][i][2 * h] * dq_scale, acc[m][i][2 * h + 1] * dq_scale);
+      } else {
+        uint32_t* drow = reinterpret_cast<uint32_t*>(dq + row_index[m][h] * D);
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i)
+          drow[4 * i + c] = mma::Pack<kBf16>(acc[m][i][2 * h] * dq_scale, acc[m][i][2 * h + 1] * dq_scale);
+      }
     }
   }
 }
@@ -1103,13 +1112,17 @@ bool UseDenseCompressed(const at::Tensor& q, const Geo& g) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k_cmp,
-    const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g) {
+    const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g,
+    at::Tensor* dq_float, const at::Tensor& given_delta) {
   CheckCompressed(q, k_cmp, v_cmp, g);
+  if (dq_float) CheckDqSum(*dq_float, q);
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k_cmp);
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  const auto delta = RowDot(dout, out);
-  auto dq = at::empty_like(q);
+  const auto delta = DeltaOrRowDot(given_delta, dout, out);
+  // The shared-memory dQ kernel writes float32 itself; the other kernels write q's type.
+  const bool dq_float_direct = dq_float && q.scalar_type() != at::kFloat && !LegacyRequested();
+  auto dq = dq_float_direct ? at::Tensor() : at::empty_like(q);
   auto dk_acc = ZeroFloats(k_cmp.sizes(), k_cmp.options());
   auto dv_acc = ZeroFloats(v_cmp.sizes(), v_cmp.options());
   const CmpQueryPolicy qpol = QueryPolicy(s, g);
@@ -1126,14 +1139,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
         const QueryGrid sg = SmemQueryGrid<D>(s), mg = MmaQueryGrid(s);
         if (!LegacyRequested()) {
           if (!sg.Empty()) {
-            const auto kernel = CmpSmemDqKernel<scalar_t, D>;
-            AllowSmem(kernel, Cfg::kFwdSmem);
-            kernel<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
-                q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
-                dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(),
-                dq.data_ptr<scalar_t>(), s, sg.per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e,
-                scale);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            const auto launch = [&](auto kernel, auto* dq_out) {
+              AllowSmem(kernel, Cfg::kFwdSmem);
+              kernel<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+                  q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
+                  dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(), dq_out, s,
+                  sg.per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e, scale);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            };
+            if (dq_float_direct) {
+              launch(CmpSmemDqKernel<scalar_t, D, float>, dq_float->data_ptr<float>());
+            } else {
+              launch(CmpSmemDqKernel<scalar_t, D, scalar_t>, dq.data_ptr<scalar_t>());
+            }
+          } else if (dq_float_direct) {
+            dq_float->zero_();  // no rows (T = 0)
           }
         } else if (!mg.Empty()) {
           CmpQueryMmaKernel<scalar_t, D, true>
@@ -1176,6 +1196,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
       }
     });
   });
+  if (dq_float) {
+    if (!dq_float_direct) dq_float->copy_(dq);
+    dq = at::Tensor();
+  }
   return {dq, dk_acc.to(k_cmp.scalar_type()), dv_acc.to(v_cmp.scalar_type())};
 }
 

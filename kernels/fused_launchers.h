@@ -31,10 +31,15 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& 
 // and of one dtype.
 at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
                           const at::Tensor& c);
-// Returns d_gates, d_a, d_b, d_c.
+// Returns d_gates, d_a, d_b, d_c. With deltas, *deltas becomes float32 [3,B,T,H]: for each
+// branch k, rowsum(d_k * k) over head_dim of the rounded d_k -- the attention backward's
+// delta for that branch, as RowDot would compute it from d_k, while the row is loaded anyway.
+// (g_k times the gate's gradient is the same sum before d_k's rounding; the attention
+// backward's dP is computed from the rounded d_k, so its delta must be too: otherwise a row
+// with a single key gets dS = P (dP - delta) of rounding size instead of zero.)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c);
+    const at::Tensor& c, at::Tensor* deltas = nullptr);
 
 // Cross-entropy of logits [N, V] (contiguous) against int64 targets [N]: per-row loss
 // (log-sum-exp - logit of the target; 0 where target == ignore_index, NaN where the target

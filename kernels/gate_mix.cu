@@ -6,7 +6,8 @@
 // aligned for it, D/8 lanes share a (b, t, h) row, each moving 8 elements per access;
 // otherwise one warp per row, one element per lane and access (the same kernels with
 // kVec = 1). The backward reduces the three gate gradients (sum over D of dout * o_k) with
-// shuffles inside the lane group. With
+// shuffles inside the lane group, and on request the three branches' attention deltas
+// (sum over D of d_k * o_k, BranchesMixed in nsa_cuda.h) the same way. With
 // 2-byte accesses the kernels moved about 2 TB/s on an H100 (forward 0.098 ms, backward
 // 0.164 ms per layer at batch 16, T=2048, 12 heads, D=64). Arithmetic in float32, outputs
 // rounded once to the input type.
@@ -71,13 +72,15 @@ __global__ void __launch_bounds__(kThreads)
                           const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                           const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
                           scalar_t* __restrict__ da, scalar_t* __restrict__ db,
-                          scalar_t* __restrict__ dc, int64_t rows, int D, int lanes) {
+                          scalar_t* __restrict__ dc, float* __restrict__ deltas, int64_t rows, int D,
+                          int lanes) {
   using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread / lanes;
   const int lane = static_cast<int>(thread % lanes);
   const bool valid = row < rows;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f;  // the gates' gradients
+  float r0 = 0.f, r1 = 0.f, r2 = 0.f;  // the deltas: rowsum(d_k * k) of the rounded d_k
   if (valid) {
     const auto [g0, g1, g2] = LoadGates(gates, row);
     for (int d = lane * kVec; d < D; d += lanes * kVec) {
@@ -94,6 +97,9 @@ __global__ void __launch_bounds__(kThreads)
         wa.v[k] = static_cast<scalar_t>(g0 * go);
         wb.v[k] = static_cast<scalar_t>(g1 * go);
         wc.v[k] = static_cast<scalar_t>(g2 * go);
+        r0 += static_cast<float>(wa.v[k]) * static_cast<float>(va.v[k]);
+        r1 += static_cast<float>(wb.v[k]) * static_cast<float>(vb.v[k]);
+        r2 += static_cast<float>(wc.v[k]) * static_cast<float>(vc.v[k]);
       }
       *reinterpret_cast<Vec*>(da + i) = wa;
       *reinterpret_cast<Vec*>(db + i) = wb;
@@ -103,10 +109,20 @@ __global__ void __launch_bounds__(kThreads)
   s0 = GroupSum(s0, lanes);
   s1 = GroupSum(s1, lanes);
   s2 = GroupSum(s2, lanes);
+  if (deltas != nullptr) {  // the same for every thread of the grid
+    r0 = GroupSum(r0, lanes);
+    r1 = GroupSum(r1, lanes);
+    r2 = GroupSum(r2, lanes);
+  }
   if (valid && lane == 0) {
     dgates[row * 3] = static_cast<scalar_t>(s0);
     dgates[row * 3 + 1] = static_cast<scalar_t>(s1);
     dgates[row * 3 + 2] = static_cast<scalar_t>(s2);
+    if (deltas != nullptr) {
+      deltas[row] = r0;
+      deltas[rows + row] = r1;
+      deltas[2 * rows + row] = r2;
+    }
   }
 }
 
@@ -161,22 +177,27 @@ at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout_in, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c) {
+    const at::Tensor& c, at::Tensor* deltas) {
   CheckMixInputs(gates, a, b, c);
   TORCH_CHECK(dout_in.sizes() == a.sizes(), "gradient must have the output's shape");
   const auto dout = dout_in.to(a.scalar_type()).contiguous();
   auto dgates = at::empty_like(gates), da = at::empty_like(a), db = at::empty_like(b),
        dc = at::empty_like(c);
+  if (deltas) *deltas = at::empty({3, a.size(0), a.size(1), a.size(2)}, a.options().dtype(at::kFloat));
   const int64_t rows = a.size(0) * a.size(1) * a.size(2);
   if (rows == 0) return {dgates, da, db, dc};
-  if (a.size(3) == 0) return {dgates.zero_(), da, db, dc};
+  if (a.size(3) == 0) {
+    if (deltas) deltas->zero_();
+    return {dgates.zero_(), da, db, dc};
+  }
   const int lanes = VectorLanes(a.size(3), {&dout, &a, &b, &c, &da, &db, &dc});
   NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_backward", [&] {
     const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
     Launch(vec ? GateMixBackwardKernel<scalar_t, kMixVec> : GateMixBackwardKernel<scalar_t, 1>,
            LaneGrid(rows, vec ? lanes : 32), 0, dout.data_ptr<scalar_t>(), gates.data_ptr<scalar_t>(),
            a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(),
-           da.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), rows,
+           da.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(),
+           deltas ? deltas->data_ptr<float>() : nullptr, rows,
            static_cast<int>(a.size(3)), vec ? lanes : 32);
   });
   return {dgates, da, db, dc};

@@ -172,6 +172,18 @@ inline at::Tensor RowDot(const at::Tensor& dout, const at::Tensor& out) {
   return delta;
 }
 
+// The backward's delta for dout and out: `given` where the caller already has it (a
+// contiguous float32 [B,T,H]: the gate mixing's backward computes it for each branch, see
+// GateMixBackward), else RowDot.
+inline at::Tensor DeltaOrRowDot(const at::Tensor& given, const at::Tensor& dout, const at::Tensor& out) {
+  if (!given.defined()) return RowDot(dout, out);
+  TORCH_CHECK(given.scalar_type() == at::kFloat && given.is_contiguous() && given.dim() == 3 &&
+                  given.size(0) == out.size(0) && given.size(1) == out.size(1) && given.size(2) == out.size(2) &&
+                  given.device() == out.device(),
+              "delta must be a contiguous float32 [B,T,H] tensor on the output's device, got ", given.sizes());
+  return given;
+}
+
 // A float32 tensor of zeros written by cudaMemsetAsync: at::zeros runs a fill kernel, which
 // wrote the backward's 200 MB dQ accumulator (64k, D=64, 12 heads) at about 1.2 TB/s.
 inline at::Tensor ZeroFloats(at::IntArrayRef sizes, const at::TensorOptions& options) {

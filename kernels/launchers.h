@@ -30,19 +30,25 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
                                                    const at::Tensor& block_idx, const Geo& g);
 // Returns dq, dk, dv. With dq_sum (float32, shaped like q) dq is added into *dq_sum instead
 // and comes back undefined: a caller summing several branches' dq rounds once, at the end.
+// delta: rowsum(dout * out) as float32 [B,T,H] where the caller has it (the gate mixing's
+// backward does); undefined, the backward computes it (RowDot).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum = nullptr);
+    at::Tensor* dq_sum = nullptr, const at::Tensor& delta = {});
 
 // Compressed attention: out [B,T,H,D], lse [B,T,H], importance [B,T,G,NS].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,
                                                                  const at::Tensor& k_cmp,
                                                                  const at::Tensor& v_cmp,
                                                                  const Geo& g);
+// With dq_float (float32, shaped like q, any contents) dq is written there in float32 -- the
+// start of a sum of several branches' dq, which SelectedBackward and WindowBackward then add
+// to -- and comes back undefined. delta as in SelectedBackward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_cmp,
-    const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g);
+    const at::Tensor& v_cmp, const at::Tensor& out, const at::Tensor& lse, const Geo& g,
+    at::Tensor* dq_float = nullptr, const at::Tensor& delta = {});
 
 // Compressed attention over cuDNN (nsa_cuda.cc): the branch is dense causal attention of N
 // packed query rows over the N compressed blocks (compressed_packed.cu says why).
@@ -71,11 +77,12 @@ std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::
 bool UseTiledWindowForward(const at::Tensor& q);
 // Sliding-window backward on the warpgroup-MMA dK/dV kernel (window_attention.cu), given the
 // forward's out and its lse as WindowForward returns it: dq, dk, dv in the inputs' types.
-// bf16/fp16, head_dim 64 or 128, an sm_90 device. dq_sum as in SelectedBackward.
+// bf16/fp16, head_dim 64 or 128, an sm_90 device. dq_sum and delta as in SelectedBackward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
-                                                              int64_t window, at::Tensor* dq_sum = nullptr);
+                                                              int64_t window, at::Tensor* dq_sum = nullptr,
+                                                              const at::Tensor& delta = {});
 // Checks that dq_sum is a float32 tensor shaped like q on q's device.
 void CheckDqSum(const at::Tensor& dq_sum, const at::Tensor& q);
 // Whether the window backward runs WindowBackward (WindowKernelChoice); a forced kWgmma that

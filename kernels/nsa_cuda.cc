@@ -1,7 +1,7 @@
 // The NSA CUDA ops as autograd functions (contract: nsa_cuda.h / nsa/ops.h).
 //
 // Selected and compressed attention run the custom kernels of this folder; from 16k tokens the
-// compressed branch's attention runs on cuDNN over packed query rows (CompressedDenseFn), its
+// compressed branch's attention runs on cuDNN over packed query rows (CompressedForwardToSave), its
 // importance pass still on our kernel. Sliding-window attention runs our tiled forward and
 // warpgroup-MMA backward where they apply (window_attention.cu), else PyTorch's own
 // FlashAttention-2 kernels (at::_flash_attention_forward / _backward with window_size_left =
@@ -17,6 +17,7 @@
 #include <limits>
 #include <tuple>
 
+#include "fused_launchers.h"
 #include "launchers.h"
 
 namespace nsad::nsa::cuda {
@@ -69,80 +70,88 @@ struct SelectedAttentionFn : torch::autograd::Function<SelectedAttentionFn> {
   }
 };
 
-// The end of both compressed forwards: the importance is a detached by-product.
-tensor_list CompressedOutputs(AutogradContext* ctx, const Geometry& g, const torch::Tensor& out,
-                              const torch::Tensor& importance) {
-  ctx->mark_non_differentiable({importance});
-  // The importance never gets a gradient; materialised, it would be a zero fill of the whole
-  // [B,T,G,NS] float32 tensor in every backward (0.16 ms at 64k D64 12:2 on an H100). Both
-  // backwards take an undefined output gradient.
-  ctx->set_materialize_grads(false);
-  SaveGeometry(ctx, g);
-  return {out, importance};
+// The compressed branch's forward as it is saved, on our kernels or on cuDNN (long sequences;
+// CompressedKernelChoice, kernel_choice.h): cuDNN runs causal attention of the packed query
+// rows over the compressed blocks (compressed_packed.cu says why that is the branch), then our
+// importance pass reads its log-sum-exp. cuDNN's backward is given the forward's packed rows,
+// output, log-sum-exp and RNG state (no dropout: empty). CompressedAttentionFn and
+// BranchesMixedFn share the two halves below.
+struct CompressedSaved {
+  torch::Tensor out, importance;  // [B,T,H,D]; [B,T,G,NS] float32, detached
+  torch::Tensor lse;              // ours: [B,T,H] (log2 units); cuDNN: the packed rows'
+  torch::Tensor q_rows, out_rows, seed, offset;  // cuDNN only
+};
+double SoftmaxScale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
+
+CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
+                                        const Geo& geo, bool dense) {
+  CompressedSaved c;
+  if (!dense) {
+    std::tie(c.out, c.lse, c.importance) = detail::CompressedForward(q, k_cmp, v_cmp, geo);
+    return c;
+  }
+  const int64_t T = q.size(1);
+  c.q_rows = detail::PackCompressedRows(q, geo);
+  torch::Tensor lse_rows;
+  std::tie(c.out_rows, lse_rows, std::ignore, std::ignore, std::ignore, std::ignore, c.seed, c.offset, std::ignore) =
+      at::_scaled_dot_product_cudnn_attention(
+          c.q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), /*attn_bias=*/std::nullopt,
+          /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
+          SoftmaxScale(q));
+  c.out = detail::UnpackCompressedRows(c.out_rows.transpose(1, 2).contiguous(), T, geo);
+  c.importance = detail::CompressedImportance(q, k_cmp, detail::CompressedLseFromPacked(lse_rows, T, geo), geo);
+  c.lse = lse_rows;
+  return c;
 }
 
+// dq, dk, dv of the compressed branch; with dq_float, dq is written there in float32 (the start
+// of a sum) and comes back undefined. delta: as in SelectedBackward (cuDNN computes its own).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CompressedGradients(
+    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
+    const CompressedSaved& c, const Geo& geo, bool dense, torch::Tensor* dq_float, const torch::Tensor& delta) {
+  if (!dense) return detail::CompressedBackward(dout, q, k_cmp, v_cmp, c.out, c.lse, geo, dq_float, delta);
+  const int64_t N = k_cmp.size(1), T = q.size(1);  // N: compressed blocks = rows
+  // Same layout as the saved output ([B,N,H*d,D] in memory), as cuDNN's backward expects.
+  const auto dout_rows = detail::PackCompressedRows(dout.contiguous(), geo);
+  auto [dq_rows, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
+      dout_rows.transpose(1, 2), c.q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), c.out_rows,
+      c.lse, c.seed, c.offset, /*attn_bias=*/torch::Tensor(), /*cum_seq_q=*/torch::Tensor(),
+      /*cum_seq_k=*/torch::Tensor(), N, N, /*dropout_p=*/0.0, /*is_causal=*/true, SoftmaxScale(q));
+  auto dq = detail::UnpackCompressedRows(dq_rows.transpose(1, 2).contiguous(), T, geo);
+  if (dq_float) {
+    dq_float->copy_(dq);
+    dq = torch::Tensor();
+  }
+  return {dq, dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
+// Compressed attention and its importance; the importance is a detached by-product.
 struct CompressedAttentionFn : torch::autograd::Function<CompressedAttentionFn> {
-  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
-                             const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
-                             const Geometry& g) {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k_cmp,
+                             const torch::Tensor& v_cmp, const Geometry& g, bool dense) {
     RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
-    auto [out, lse, importance] = detail::CompressedForward(q, k_cmp, v_cmp, ToGeo(g));
-    ctx->save_for_backward({q, k_cmp, v_cmp, out, lse});
-    return CompressedOutputs(ctx, g, out, importance);
+    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, ToGeo(g), dense);
+    ctx->save_for_backward({q, k_cmp, v_cmp, c.out, c.lse, c.q_rows, c.out_rows, c.seed, c.offset});
+    ctx->saved_data["dense"] = dense;
+    ctx->mark_non_differentiable({c.importance});
+    // The importance never gets a gradient; materialised, it would be a zero fill of the whole
+    // [B,T,G,NS] float32 tensor in every backward (0.16 ms at 64k D64 12:2 on an H100). The
+    // backward takes an undefined output gradient.
+    ctx->set_materialize_grads(false);
+    SaveGeometry(ctx, g);
+    return {c.out, c.importance};
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
     // No gradient for the output (only the importance was used): none for the inputs either,
-    // as in CompressedDenseFn, rather than a whole backward over zeros.
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // rather than a whole backward over zeros.
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     const auto s = ctx->get_saved_variables();
-    auto [dq, dk, dv] = detail::CompressedBackward(grads[0], s[0], s[1], s[2], s[3], s[4],
-                                                   ToGeo(LoadGeometry(ctx)));
-    return {dq, dk, dv, torch::Tensor()};
+    const CompressedSaved c{s[3], torch::Tensor(), s[4], s[5], s[6], s[7], s[8]};
+    auto [dq, dk, dv] = CompressedGradients(grads[0], s[0], s[1], s[2], c, ToGeo(LoadGeometry(ctx)),
+                                            ctx->saved_data["dense"].toBool(), nullptr, torch::Tensor());
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
   }
-};
-
-// Compressed attention on cuDNN (long sequences; CompressedKernelChoice, kernel_choice.h):
-// causal attention of the packed query rows over the compressed blocks (compressed_packed.cu
-// says why that is the branch), then our importance pass from cuDNN's log-sum-exp. The
-// backward is cuDNN's, given the forward's packed rows, output, log-sum-exp and RNG state
-// (no dropout: empty).
-struct CompressedDenseFn : torch::autograd::Function<CompressedDenseFn> {
-  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q,
-                             const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
-                             const Geometry& g) {
-    RECORD_FUNCTION("nsa::compressed_forward", std::vector<c10::IValue>());
-    const Geo geo = ToGeo(g);
-    const int64_t T = q.size(1);
-    const auto q_rows = detail::PackCompressedRows(q, geo);
-    auto [out_rows, lse_rows, cum_q, cum_k, max_q, max_k, seed, offset, debug] =
-        at::_scaled_dot_product_cudnn_attention(
-            q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2),
-            /*attn_bias=*/std::nullopt, /*compute_log_sumexp=*/true, /*dropout_p=*/0.0,
-            /*is_causal=*/true, /*return_debug_mask=*/false, Scale(q));
-    const auto lse = detail::CompressedLseFromPacked(lse_rows, T, geo);
-    auto out = detail::UnpackCompressedRows(out_rows.transpose(1, 2).contiguous(), T, geo);
-    auto importance = detail::CompressedImportance(q, k_cmp, lse, geo);
-    ctx->save_for_backward({q_rows, k_cmp, v_cmp, out_rows, lse_rows, seed, offset});
-    ctx->saved_data["T"] = T;
-    return CompressedOutputs(ctx, g, out, importance);
-  }
-  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
-    RECORD_FUNCTION("nsa::compressed_backward", std::vector<c10::IValue>());
-    const auto s = ctx->get_saved_variables();
-    const Geo geo = ToGeo(LoadGeometry(ctx));
-    const int64_t N = s[1].size(1), T = ctx->saved_data["T"].toInt();  // N: compressed blocks = rows
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    // Same layout as the saved output ([B,N,H*d,D] in memory), as cuDNN's backward expects.
-    const auto dout_rows = detail::PackCompressedRows(grads[0].contiguous(), geo);
-    auto [dq_rows, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
-        dout_rows.transpose(1, 2), s[0].transpose(1, 2), s[1].transpose(1, 2), s[2].transpose(1, 2), s[3],
-        s[4], s[5], s[6], /*attn_bias=*/torch::Tensor(), /*cum_seq_q=*/torch::Tensor(),
-        /*cum_seq_k=*/torch::Tensor(), N, N, /*dropout_p=*/0.0, /*is_causal=*/true, Scale(s[0]));
-    auto dq = detail::UnpackCompressedRows(dq_rows.transpose(1, 2).contiguous(), T, geo);
-    return {dq, dk.transpose(1, 2), dv.transpose(1, 2), torch::Tensor()};
-  }
-  static double Scale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
 };
 
 // A causal window of w keys: window_size_left = w - 1 keeps keys (t - w, t], exactly the
@@ -179,10 +188,12 @@ WindowSaved WindowForwardToSave(const torch::Tensor& q, const torch::Tensor& k, 
 }
 
 // dq, dk, dv of the window; with dq_sum, dq is added into it (float32) and comes back undefined.
+// delta as in SelectedBackward (FlashAttention-2 computes its own).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WindowGradients(
     const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-    const WindowSaved& w, int64_t window, bool wgmma_backward, torch::Tensor* dq_sum) {
-  if (wgmma_backward) return detail::WindowBackward(dout, q, k, v, w.out, w.lse, window, dq_sum);
+    const WindowSaved& w, int64_t window, bool wgmma_backward, torch::Tensor* dq_sum,
+    const torch::Tensor& delta = {}) {
+  if (wgmma_backward) return detail::WindowBackward(dout, q, k, v, w.out, w.lse, window, dq_sum, delta);
   const int64_t T = q.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   auto [dq, dk, dv] = at::_flash_attention_backward(
@@ -273,6 +284,63 @@ WindowPaths ChooseWindowPaths(const torch::Tensor& q, const torch::Tensor& k, co
   return {detail::UseTiledWindowForward(q), detail::UseWgmmaWindowBackward(q)};
 }
 
+// Whether the compressed branch runs on cuDNN. Under two compressed blocks the custom kernels
+// run: with none (T < l) there is nothing to attend, and cuDNN's backward refuses a single row.
+// UseDenseCompressed still refuses a forced path it cannot run at all.
+bool DenseCompressed(const torch::Tensor& q, const torch::Tensor& k_cmp, const Geometry& g) {
+  return detail::UseDenseCompressed(q, ToGeo(g)) && k_cmp.size(1) >= 2;
+}
+
+// The three branches and their gate mixing as one node (bf16/fp16; BranchesMixed in
+// nsa_cuda.h). Forward: compressed attention and its importance, the selection, the selected and
+// window forwards, the mixing. Backward: the mixing's backward also returns each branch's delta
+// (rowsum(dO * O), GateMixBackward); the compressed dQ starts the float32 dq sum, the selected
+// and window backwards add to it, and it is rounded once.
+struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k_cmp,
+                             const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
+                             const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
+                             const Geometry& g, bool dense_cmp, bool tiled_forward, bool wgmma_backward) {
+    RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
+    const Geo geo = ToGeo(g);
+    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp);
+    auto block_idx = detail::SelectBlocksLaunch(c.importance, q.size(1), geo);
+    auto [o_slc, lse_slc] = detail::SelectedForward(q, k_slc, v_slc, block_idx, geo);
+    const auto w = WindowForwardToSave(q, k_win, v_win, g.window, tiled_forward, wgmma_backward);
+    auto mixed = detail::GateMixForward(gates, c.out, o_slc, w.out);
+    ctx->save_for_backward({q, k_cmp, v_cmp, c.out, c.lse, c.q_rows, c.out_rows, c.seed, c.offset,  // 0-8
+                            k_slc, v_slc, o_slc, lse_slc, block_idx,                                 // 9-13
+                            k_win, v_win, w.out, w.lse, w.rng_state, w.unused, gates});              // 14-20
+    SaveGeometry(ctx, g);
+    ctx->saved_data["dense_cmp"] = dense_cmp;
+    ctx->saved_data["wgmma_backward"] = wgmma_backward;
+    ctx->mark_non_differentiable({block_idx});
+    ctx->set_materialize_grads(false);
+    return {mixed, block_idx};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::branches_mixed_backward", std::vector<c10::IValue>());
+    const torch::Tensor none;
+    if (!grads[0].defined()) return tensor_list(12);
+    const auto s = ctx->get_saved_variables();
+    const auto& q = s[0];
+    const Geometry g = LoadGeometry(ctx);
+    const Geo geo = ToGeo(g);
+    torch::Tensor deltas;  // [3,B,T,H]: compressed, selected, window
+    auto [dgates, d_cmp, d_slc, d_win] = detail::GateMixBackward(grads[0], s[20], s[3], s[11], s[16], &deltas);
+    auto dq_sum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+    const CompressedSaved c{s[3], none, s[4], s[5], s[6], s[7], s[8]};
+    auto [dq_c, dk_cmp, dv_cmp] = CompressedGradients(d_cmp, q, s[1], s[2], c, geo,
+                                                      ctx->saved_data["dense_cmp"].toBool(), &dq_sum, deltas[0]);
+    auto [dq_s, dk_slc, dv_slc] =
+        detail::SelectedBackward(d_slc, q, s[9], s[10], s[11], s[12], s[13], geo, &dq_sum, deltas[1]);
+    auto [dq_w, dk_win, dv_win] = WindowGradients(d_win, q, s[14], s[15], {s[16], s[17], s[18], s[19]}, g.window,
+                                                  ctx->saved_data["wgmma_backward"].toBool(), &dq_sum, deltas[2]);
+    return {dq_sum.to(q.scalar_type()), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates,
+            none, none, none, none};
+  }
+};
+
 }  // namespace
 
 bool Available() {
@@ -285,9 +353,8 @@ CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Ten
   // Under two compressed blocks the custom kernels run: with none (T < l) there is nothing to
   // attend, and cuDNN's backward refuses a single row. UseDenseCompressed still refuses a
   // forced path it cannot run at all.
-  const bool dense = detail::UseDenseCompressed(q, ToGeo(g)) && k_cmp.size(1) >= 2;
-  auto outs = dense ? CompressedDenseFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g)
-                    : CompressedAttentionFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g);
+  auto outs = CompressedAttentionFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), g,
+                                          DenseCompressed(q, k_cmp, g));
   return {outs[0], outs[1]};
 }
 
@@ -315,6 +382,25 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
   const auto outs = SelectedAndWindowFn::apply(q.contiguous(), k_slc.contiguous(), v_slc.contiguous(),
                                                block_idx.to(torch::kInt).contiguous(), k_win.contiguous(),
                                                v_win.contiguous(), g, paths.tiled_forward, paths.wgmma_backward);
+  return {outs[0], outs[1]};
+}
+
+std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& k_cmp,
+                                                      const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
+                                                      const torch::Tensor& v_slc, const torch::Tensor& k_win,
+                                                      const torch::Tensor& v_win, const torch::Tensor& gates,
+                                                      const Geometry& g) {
+  TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
+              "BranchesMixed takes bf16/fp16, got ", q.scalar_type());
+  for (const torch::Tensor* t : {&k_cmp, &v_cmp, &k_slc, &v_slc, &k_win, &v_win, &gates}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "BranchesMixed: every input must have q's dtype ",
+                q.scalar_type(), ", got ", t->scalar_type());
+  }
+  const WindowPaths paths = ChooseWindowPaths(q, k_win, v_win, g);
+  const auto outs = BranchesMixedFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), k_slc.contiguous(),
+                                           v_slc.contiguous(), k_win.contiguous(), v_win.contiguous(),
+                                           gates.contiguous(), g, DenseCompressed(q, k_cmp, g), paths.tiled_forward,
+                                           paths.wgmma_backward);
   return {outs[0], outs[1]};
 }
 

@@ -973,7 +973,7 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum) {
+    at::Tensor* dq_sum, const at::Tensor& given_delta) {
   CheckSelected(q, k, v, block_idx, g);
   if (dq_sum) CheckDqSum(*dq_sum, q);
   const auto dout = dout_in.contiguous();
@@ -982,7 +982,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   const Choice choice = ChoiceFor(q, s, n);
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  const auto delta = RowDot(dout, out);
+  const auto delta = DeltaOrRowDot(given_delta, dout, out);
   const bool fused_dq = UseFusedDq(choice, q, s);
   // Fused: float32 sums of every block's dQ rows, rounded to q's type at the end (by the
   // caller, with dq_sum).

@@ -162,7 +162,8 @@ bool UseWgmmaWindowBackward(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& dout_in, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
-                                                              int64_t window, at::Tensor* dq_sum) {
+                                                              int64_t window, at::Tensor* dq_sum,
+                                                              const at::Tensor& given_delta) {
   CheckWindowInputs(q, k, v, window);
   TORCH_CHECK(q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128),
               "the warpgroup-MMA window backward takes bf16/fp16 with head_dim 64 or 128");
@@ -174,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& 
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k);
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
-  const auto delta = RowDot(dout, out);
+  const auto delta = DeltaOrRowDot(given_delta, dout, out);
   auto dq_acc = dq_sum ? *dq_sum : ZeroFloats(q.sizes(), q.options());
   auto dk_acc = ZeroFloats(k.sizes(), k.options());
   auto dv_acc = ZeroFloats(v.sizes(), v.options());

@@ -688,6 +688,80 @@ TEST_P(KernelsTest, SelectedAndWindowInOneNodeMatchTheReference) {
   }
 }
 
+// The summed importance of the blocks idx [B,T,G,n] selects (-1: none), per (b, t, g).
+torch::Tensor SelectedImportance(const torch::Tensor& importance, const torch::Tensor& idx) {
+  const auto picked = importance.gather(3, idx.clamp_min(0).to(torch::kLong));
+  return (picked * idx.ge(0)).sum(3);
+}
+
+// The three branches and their gate mixing as one node (the model's call on the CUDA backend)
+// against the float32 reference: CompressedAttentionReference, SelectedAttentionReference over
+// the node's selection, SlidingWindowAttentionReference, mixed by the gates; the output and all
+// eight gradients (dq: three branches summed in float32, each attention backward given the
+// mixing's row sums). The node's selection must be worth what the separate ops' is (summed
+// importance per position; those ops are held to the reference above). Each compressed path
+// (ours, cuDNN) after each window backward; fp32 is refused (the dispatch takes separate calls).
+TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
+  using Win = cuda::detail::WindowKernelChoice;
+  using Cmp = cuda::detail::CompressedKernelChoice;
+  const Case c = GetParam();
+  const int64_t N = NumCmpBlocks(c.T, geo_);
+  auto q = Random({kBatch, c.T, c.H, c.D});
+  auto kc = Random({kBatch, N, c.G, c.D}), vc = Random({kBatch, N, c.G, c.D});
+  auto ks = Random({kBatch, c.T, c.G, c.D}), vs = Random({kBatch, c.T, c.G, c.D});
+  auto kw = Random({kBatch, c.T, c.G, c.D}), vw = Random({kBatch, c.T, c.G, c.D});
+  auto gates = torch::rand({kBatch, c.T, c.H, 3}, Opts()).requires_grad_(true);
+  if (c.dtype == torch::kFloat) {
+    EXPECT_THROW(cuda::BranchesMixed(q, kc, vc, ks, vs, kw, vw, gates, geo_), c10::Error);
+    return;
+  }
+  const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto separate_importance = cuda::CompressedAttention(q.detach(), kc.detach(), vc.detach(), geo_).importance;
+
+  std::vector<Win::Backward> backwards = {Win::Backward::kFlash};
+  if (cuda::detail::WgmmaRunsHere() && (c.D == 64 || c.D == 128)) backwards.push_back(Win::Backward::kWgmma);
+  std::vector<Cmp::Path> cmp_paths = {Cmp::Path::kOwn};
+  if (c.D % 8 == 0 && c.D <= 128 && N >= 2) cmp_paths.push_back(Cmp::Path::kDense);
+  for (const Cmp::Path cmp_path : cmp_paths) {
+    for (const Win::Backward backward : backwards) {
+      SCOPED_TRACE(std::string(cmp_path == Cmp::Path::kOwn ? "own" : "cuDNN") + " compressed, " +
+                   (backward == Win::Backward::kFlash ? "flash" : "wgmma") + " window backward");
+      Cmp cmp_choice;
+      cmp_choice.path = cmp_path;
+      const cuda::detail::ScopedCompressedKernelChoice force_cmp(cmp_choice);
+      const cuda::detail::ScopedWindowKernelChoice force_win({Win::Forward::kAuto, backward});
+      for (auto* t : {&q, &kc, &vc, &ks, &vs, &kw, &vw, &gates}) t->mutable_grad().reset();
+      Poison();
+      const auto [out, idx] = cuda::BranchesMixed(q, kc, vc, ks, vs, kw, vw, gates, geo_);
+      Poison();
+      out.backward(grad);
+
+      const auto node_worth = SelectedImportance(separate_importance, idx);
+      const auto separate_worth =
+          SelectedImportance(separate_importance, cuda::SelectBlocks(separate_importance, c.T, geo_));
+      EXPECT_LT((node_worth - separate_worth).abs().max().item<float>(), 1e-3) << "selection";
+
+      auto q32 = Upcast(q), kc32 = Upcast(kc), vc32 = Upcast(vc), ks32 = Upcast(ks), vs32 = Upcast(vs),
+           kw32 = Upcast(kw), vw32 = Upcast(vw), g32 = Upcast(gates);
+      const auto ref_c = CompressedAttentionReference(q32, kc32, vc32, geo_).out;
+      const auto ref_s = SelectedAttentionReference(q32, ks32, vs32, idx, geo_);
+      const auto ref_w = SlidingWindowAttentionReference(q32, kw32, vw32, geo_);
+      const auto ref = g32.select(3, 0).unsqueeze(3) * ref_c + g32.select(3, 1).unsqueeze(3) * ref_s +
+                       g32.select(3, 2).unsqueeze(3) * ref_w;
+      ref.backward(grad.to(torch::kFloat));
+      ExpectClose(out, ref, "out");
+      ExpectClose(q.grad(), q32.grad(), "dq");
+      ExpectClose(kc.grad(), kc32.grad(), "dk cmp");
+      ExpectClose(vc.grad(), vc32.grad(), "dv cmp");
+      ExpectClose(ks.grad(), ks32.grad(), "dk slc");
+      ExpectClose(vs.grad(), vs32.grad(), "dv slc");
+      ExpectClose(kw.grad(), kw32.grad(), "dk win");
+      ExpectClose(vw.grad(), vw32.grad(), "dv win");
+      ExpectClose(gates.grad(), g32.grad(), "dgates");
+    }
+  }
+}
+
 // A window of one key makes each row's softmax that key alone (P = 1), so the backward is
 // known exactly: dS = P (dO.V - dO.O) = 0, so dQ = dK = 0, and dV of a position is the sum
 // of dO over the group's heads at that position. A mask that let in any other key would give

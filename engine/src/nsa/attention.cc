@@ -150,19 +150,15 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto k_cmp = RotateParts(backend_, compressed[0].unsqueeze(2), rope.blocks, {true})[0];
   const auto v_cmp = compressed[1].contiguous();
 
-  const auto cmp = CompressAndSelect(backend_, q, k_cmp, v_cmp, G, T, g);
-  const auto& block_idx = cmp.block_idx;
-  const auto [o_slc, o_win] = SelectedAndWindowAttention(backend_, q, k_slc, v_slc, block_idx, k_win, v_win, g);
-
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
   const auto gate_logits =
       ApplyLinear(torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(2)), torch::silu(projected[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
-  const auto mixed = MixBranches(backend_, gates, cmp.out, o_slc, o_win);
+  const auto mixed = AttendAndMix(backend_, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, G, g);
   last_gates_ = gates.detach();
-  last_block_idx_ = block_idx.detach();
-  return ApplyLinear(o_proj_, mixed.reshape({B, T, H * D}));
+  last_block_idx_ = mixed.block_idx.detach();
+  return ApplyLinear(o_proj_, mixed.out.reshape({B, T, H * D}));
 }
 
 torch::Tensor NsaAttentionImpl::last_stats_tensor() const {

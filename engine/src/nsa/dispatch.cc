@@ -94,6 +94,29 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
   return SlidingWindowAttentionReference(q, k, v, g);
 }
 
+MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q, const torch::Tensor& k_cmp,
+                           const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
+                           const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
+                           int64_t num_groups, const Geometry& g) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  const auto type = q.scalar_type();
+  const bool one_reduced_type = (type == torch::kBFloat16 || type == torch::kHalf) && q.is_cuda() &&
+                                k_cmp.scalar_type() == type && v_cmp.scalar_type() == type &&
+                                k_slc.scalar_type() == type && v_slc.scalar_type() == type &&
+                                k_win.scalar_type() == type && v_win.scalar_type() == type &&
+                                gates.scalar_type() == type;
+  if (UseCuda(backend) && one_reduced_type) {
+    cuda_layers.fetch_add(1, std::memory_order_relaxed);
+    fused_calls.fetch_add(1, std::memory_order_relaxed);  // the gate mixing
+    auto [out, block_idx] = cuda::BranchesMixed(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g);
+    return {out, block_idx};
+  }
+#endif
+  const auto cmp = CompressAndSelect(backend, q, k_cmp, v_cmp, num_groups, q.size(1), g);
+  const auto [o_slc, o_win] = SelectedAndWindowAttention(backend, q, k_slc, v_slc, cmp.block_idx, k_win, v_win, g);
+  return {MixBranches(backend, gates, cmp.out, o_slc, o_win), cmp.block_idx};
+}
+
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
                                        const RopeTable& table, const std::vector<bool>& rotate) {
   TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
