@@ -53,6 +53,17 @@ std::tuple<at::Tensor, at::Tensor> CrossEntropyForward(const at::Tensor& logits,
 at::Tensor CrossEntropyBackward(const at::Tensor& logits, const at::Tensor& targets,
                                 const at::Tensor& row_stats, const at::Tensor& grad_scale,
                                 int64_t ignore_index);
+// The one-pass path for logits that need a gradient, where CrossEntropyOnePassTakes: the
+// forward's per-row loss and, for an incoming gradient of expected_grad, the gradient of the
+// mean loss ((softmax - onehot) * expected_grad / count, count a float32 CUDA scalar: the rows
+// not ignored) from one read of the logits. Returns row_loss, grad.
+bool CrossEntropyOnePassTakes(const at::Tensor& logits);
+std::tuple<at::Tensor, at::Tensor> CrossEntropyForwardWithGrad(const at::Tensor& logits, const at::Tensor& targets,
+                                                               int64_t ignore_index, const at::Tensor& count,
+                                                               double expected_grad);
+// grad *= grad_output / expected_grad in place (grad_output a float32 CUDA scalar), a kernel
+// whose CTAs return at once when the two are equal: no host read, so CUDA graphs capture it.
+void CrossEntropyRescaleGrad(at::Tensor& grad, const at::Tensor& grad_output, double expected_grad);
 
 // SwiGLU of the joint projection [.., 2F] = [gate | up] (contiguous): silu(gate) * up,
 // [.., F]; the backward returns the joint gradient [.., 2F].

@@ -47,8 +47,14 @@ torch::Tensor SwiGlu(const torch::Tensor& joint);
 // int64 targets [N], over the targets that are not ignore_index: LibTorch's
 // cross_entropy(logits.to(float32), targets) in value, differentiable w.r.t. the logits,
 // whose gradient comes back in their dtype. A target outside [0, V) makes the loss NaN.
+//
+// expected_grad: the gradient the caller will back-propagate into the loss (the trainer's is
+// 1 / grad_accum). When the logits need a gradient and a row fits the one-pass kernel (m7c's
+// 50304 bf16 logits do), the forward writes the logits' gradient for it while it reads them
+// once; the backward then returns it, rescaled on the device only if another gradient comes.
+// That path's backward runs once: a second (retain_graph) fails.
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
-                           int64_t ignore_index = -100);
+                           int64_t ignore_index = -100, double expected_grad = 1.0);
 
 // The layer's gate statistics as the trainer reports them: gates [B,T,H,3], block_idx
 // [B,T,G,n] (-1 = no block) -> float32 [7] = mean of each branch's gate, their population

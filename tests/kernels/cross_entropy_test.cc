@@ -1,8 +1,9 @@
 // The fused cross-entropy kernels (kernels/cross_entropy.cu) against LibTorch's
 // cross_entropy on the same logits upcast to float32 -- the trainer's loss before, and the
 // reference backend's loss now. Loss and gradient, vector and scalar row paths (V a multiple
-// of 8 or not), ignored targets, an incoming gradient other than 1, targets outside the
-// vocabulary. Skips without a CUDA device.
+// of 8 or not), the one-pass path (the gradient written in the forward) and the two-kernel
+// one, ignored targets, an incoming gradient other than the declared one, targets outside
+// the vocabulary. Skips without a CUDA device.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -50,8 +51,10 @@ class CrossEntropyTest : public testing::TestWithParam<LossCase> {
   // Loss and d logits from both implementations with the loss scaled by `scale`, compared:
   // the loss in float32 maths on both sides (relative 1e-5), the gradient against
   // LibTorch's float32 gradient rounded to the logits' dtype.
-  void Compare(const torch::Tensor& logits, const torch::Tensor& targets, double scale) {
-    const auto loss = cuda::CrossEntropy(logits, targets);
+  // expected_grad: what the caller declares it will back-propagate (the one-pass path writes
+  // the gradient for it in the forward and rescales it when `scale` differs).
+  void Compare(const torch::Tensor& logits, const torch::Tensor& targets, double scale, double expected_grad = 1.0) {
+    const auto loss = cuda::CrossEntropy(logits, targets, -100, expected_grad);
     ASSERT_EQ(loss.scalar_type(), torch::kFloat);
     const auto grad = torch::autograd::grad({loss * scale}, {logits})[0];
 
@@ -81,11 +84,36 @@ TEST_P(CrossEntropyTest, ScalesTheGradientByTheIncomingOne) {
   Compare(Logits(), Targets(), 0.25);  // the trainer divides by grad_accum
 }
 
+// The trainer's case: the loss divided by grad_accum, declared as the incoming gradient.
+TEST_P(CrossEntropyTest, TheDeclaredIncomingGradientIsWrittenInTheForward) {
+  Compare(Logits(), Targets(), 0.25, 0.25);
+}
+
+// Rows that fit the one-pass kernel (16-byte multiples up to 112 KiB: m7c's 50304 bf16 logits)
+// take it when the logits need a gradient; its backward rescales the saved gradient in place,
+// so a second backward (retain_graph) fails instead of scaling twice. The two-kernel path
+// recomputes, so there a second backward gives the first's gradient again.
+TEST_P(CrossEntropyTest, OnePathPerRowSizeAndASecondBackwardOnlyWhereItIsSafe) {
+  const auto& c = GetParam();
+  const int64_t row_bytes = c.V * static_cast<int64_t>(c10::elementSize(c.dtype));
+  const bool one_pass = row_bytes % 16 == 0 && row_bytes <= 112 * 1024;
+  const auto logits = Logits();
+  const auto loss = cuda::CrossEntropy(logits, Targets());
+  const auto first = torch::autograd::grad({loss * 0.5}, {logits}, {}, /*retain_graph=*/true)[0].clone();
+  if (one_pass) {
+    EXPECT_THROW(torch::autograd::grad({loss * 0.5}, {logits}), c10::Error);
+  } else {
+    const auto second = torch::autograd::grad({loss * 0.5}, {logits})[0];
+    EXPECT_TRUE(torch::equal(first, second));
+  }
+}
+
 TEST_P(CrossEntropyTest, IgnoredTargetsCountNeitherInTheMeanNorInTheGradient) {
   auto targets = Targets();
   // Every third row from the second on (none for N = 1: LibTorch's mean of nothing is NaN).
   targets.index_put_({torch::arange(1, GetParam().N, 3, targets.options())}, -100);
   Compare(Logits(), targets, 1.0);
+  Compare(Logits(), targets, 0.5, 0.5);
 }
 
 TEST_P(CrossEntropyTest, ATargetOutsideTheVocabularyGivesANaNLossNotACrash) {
@@ -109,6 +137,8 @@ TEST_P(CrossEntropyTest, LargeLogitsStayFinite) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyTest,
                          testing::Values(LossCase{1, 8, torch::kBFloat16},
                                          LossCase{64, 50304, torch::kBFloat16},  // m7c's vocabulary
+                                         LossCase{5, 57344, torch::kBFloat16},   // the largest one-pass row
+                                         LossCase{9, 57352, torch::kBFloat16},   // and the next 16 bytes
                                          LossCase{33, 1003, torch::kBFloat16},   // rows not 16-byte aligned
                                          LossCase{130, 4096, torch::kHalf},
                                          LossCase{7, 50257, torch::kHalf},

@@ -185,11 +185,11 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {
 }
 
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
-                               const torch::Tensor& targets) {
+                               const torch::Tensor& targets, double expected_grad) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(logits)) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::CrossEntropy(logits, targets);
+    return cuda::CrossEntropy(logits, targets, /*ignore_index=*/-100, expected_grad);
   }
 #else
   UseCuda(backend);

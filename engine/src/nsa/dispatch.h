@@ -77,9 +77,11 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes
-// back in the logits' dtype.
+// back in the logits' dtype. expected_grad: the gradient the caller will back-propagate into
+// the loss (1 / grad_accum in the trainer); the fused path then writes the logits' gradient in
+// the forward (cuda::CrossEntropy says when), and any other gradient still comes out right.
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
-                               const torch::Tensor& targets);
+                               const torch::Tensor& targets, double expected_grad = 1.0);
 // One layer's gate statistics: gates [B,T,H,3], block_idx [B,T,G,n] (-1 = no block) ->
 // float32 [7] = the mean of each branch's gate, their population standard deviations and
 // the mean number of selected blocks per (position, group). The fused path is one pass

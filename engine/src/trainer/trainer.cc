@@ -180,11 +180,13 @@ class TorchTrainer final : public Trainer {
     return model_->forward(batch.index({Slice(), Slice(0, -1)}));
   }
 
-  torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& batch, bool inject) {
+  // expected_grad: what the caller will back-propagate into this loss (nsa::CrossEntropyLoss).
+  torch::Tensor Loss(const torch::Tensor& logits, const torch::Tensor& batch, bool inject,
+                     double expected_grad = 1.0) {
     using torch::indexing::Slice;
     const auto targets = batch.index({Slice(), Slice(1, torch::indexing::None)});
     auto loss = nsa::CrossEntropyLoss(runtime_.backend, logits.reshape({-1, logits.size(-1)}),
-                                      targets.reshape({-1}));
+                                      targets.reshape({-1}), expected_grad);
     return inject ? injector_.ApplyToLoss(loss) : loss;
   }
 
@@ -200,7 +202,8 @@ class TorchTrainer final : public Trainer {
     }
     for (int micro = 0; micro < config_.grad_accum; ++micro) {
       batches.push_back(batches_->NextTrain(this_step));  // [B, T+1] int64
-      torch::Tensor loss = Loss(Logits(batches.back()), batches.back(), inject) / config_.grad_accum;
+      torch::Tensor loss =
+          Loss(Logits(batches.back()), batches.back(), inject, 1.0 / config_.grad_accum) / config_.grad_accum;
       loss.backward();
       const auto value = loss.detach().to(torch::kFloat64);
       loss_sum = loss_sum.defined() ? loss_sum + value : value;
@@ -233,7 +236,8 @@ class TorchTrainer final : public Trainer {
       static_batch_ = batch.clone();
       optimizer_->ZeroGrad();  // the captured backward allocates the gradients in its pool
       graph_->Capture([this] {
-        torch::Tensor loss = Loss(Logits(static_batch_), static_batch_, false) / config_.grad_accum;
+        torch::Tensor loss =
+            Loss(Logits(static_batch_), static_batch_, false, 1.0 / config_.grad_accum) / config_.grad_accum;
         loss.backward();
         return ClipAndUpdate(loss.detach().to(torch::kFloat64));
       });
