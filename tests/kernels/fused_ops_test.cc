@@ -246,8 +246,9 @@ TEST_P(FusedOpsTest, SwiGluMatchesTheReference) {
 }
 
 // Residual add + RMSNorm against float32 LibTorch (x + y, rms_norm): both outputs carry
-// gradient, so dx/dy sum the residual and the norm paths. C = H*D takes the 4-channel
-// path, C = H*D - 3 the one-channel path.
+// gradient, so dx/dy sum the residual and the norm paths. C = H*D takes a 4-channel path
+// (the backward's row-in-registers kernel up to 1024 channels, 256 to 1024 here; the other at
+// 2048), C = H*D - 3 the one-channel path.
 TEST_P(FusedOpsTest, AddRmsNormMatchesTheReference) {
   const FusedCase c = GetParam();
   const auto f32 = Opts().dtype(torch::kFloat);
