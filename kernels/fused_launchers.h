@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -23,9 +24,11 @@ constexpr int kMaxRopeParts = 8;
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, uint32_t rotate_mask);
 // The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
-// forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype.
+// forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype, or in dx_type from float32
+// gradients (a float32 sum rounded once, on the way).
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
-                        const at::Tensor& sin, uint32_t rotate_mask);
+                        const at::Tensor& sin, uint32_t rotate_mask,
+                        std::optional<at::ScalarType> dx_type = std::nullopt);
 
 // out = g0 * a + g1 * b + g2 * c with gates [B,T,H,3] and a, b, c [B,T,H,D], all contiguous
 // and of one dtype.

@@ -293,16 +293,18 @@ bool DenseCompressed(const torch::Tensor& q, const torch::Tensor& k_cmp, const G
 
 // The three branches and their gate mixing as one node (bf16/fp16; BranchesMixed in
 // nsa_cuda.h). Forward: compressed attention and its importance, the selection, the selected and
-// window forwards, the mixing. Backward: the mixing's backward also returns each branch's delta
-// (rowsum(dO * O), GateMixBackward); the compressed dQ starts the float32 dq sum, the selected
-// and window backwards add to it, and it is rounded once.
+// window forwards, the mixing; q is rotated (RoPE) first. Backward: the mixing's backward also
+// returns each branch's delta (rowsum(dO * O), GateMixBackward); the compressed dQ starts the
+// float32 dq sum, the selected and window backwards add to it, and RoPE's backward rounds it.
 struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
-  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k_cmp,
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q_unrotated, const torch::Tensor& k_cmp,
                              const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                              const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
-                             const Geometry& g, bool dense_cmp, bool tiled_forward, bool wgmma_backward) {
+                             const torch::Tensor& rope_cos, const torch::Tensor& rope_sin, const Geometry& g,
+                             bool dense_cmp, bool tiled_forward, bool wgmma_backward) {
     RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
+    const auto q = detail::RopeForward(q_unrotated.unsqueeze(2), rope_cos, rope_sin, 1u)[0];
     const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp);
     auto block_idx = detail::SelectBlocksLaunch(c.importance, q.size(1), geo);
     auto [o_slc, lse_slc] = detail::SelectedForward(q, k_slc, v_slc, block_idx, geo);
@@ -310,7 +312,8 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     auto mixed = detail::GateMixForward(gates, c.out, o_slc, w.out);
     ctx->save_for_backward({q, k_cmp, v_cmp, c.out, c.lse, c.q_rows, c.out_rows, c.seed, c.offset,  // 0-8
                             k_slc, v_slc, o_slc, lse_slc, block_idx,                                 // 9-13
-                            k_win, v_win, w.out, w.lse, w.rng_state, w.unused, gates});              // 14-20
+                            k_win, v_win, w.out, w.lse, w.rng_state, w.unused, gates,                // 14-20
+                            rope_cos, rope_sin});                                                    // 21-22
     SaveGeometry(ctx, g);
     ctx->saved_data["dense_cmp"] = dense_cmp;
     ctx->saved_data["wgmma_backward"] = wgmma_backward;
@@ -321,7 +324,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::branches_mixed_backward", std::vector<c10::IValue>());
     const torch::Tensor none;
-    if (!grads[0].defined()) return tensor_list(12);
+    if (!grads[0].defined()) return tensor_list(14);
     const auto s = ctx->get_saved_variables();
     const auto& q = s[0];
     const Geometry g = LoadGeometry(ctx);
@@ -336,8 +339,9 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
         detail::SelectedBackward(d_slc, q, s[9], s[10], s[11], s[12], s[13], geo, &dq_sum, deltas[1]);
     auto [dq_w, dk_win, dv_win] = WindowGradients(d_win, q, s[14], s[15], {s[16], s[17], s[18], s[19]}, g.window,
                                                   ctx->saved_data["wgmma_backward"].toBool(), &dq_sum, deltas[2]);
-    return {dq_sum.to(q.scalar_type()), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates,
-            none, none, none, none};
+    // The float32 sum goes through RoPE's backward and is rounded there: one pass.
+    auto dq = detail::RopeBackward({dq_sum}, s[21], s[22], 1u, q.scalar_type()).view(q.sizes());
+    return {dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none, none, none, none, none, none};
   }
 };
 
@@ -385,22 +389,24 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
   return {outs[0], outs[1]};
 }
 
-std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& k_cmp,
+std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& rope_cos,
+                                                      const torch::Tensor& rope_sin, const torch::Tensor& k_cmp,
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
                                                       const Geometry& g) {
   TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
               "BranchesMixed takes bf16/fp16, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "BranchesMixed: q must be [B,T,H,D] with unit stride in D");
   for (const torch::Tensor* t : {&k_cmp, &v_cmp, &k_slc, &v_slc, &k_win, &v_win, &gates}) {
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "BranchesMixed: every input must have q's dtype ",
                 q.scalar_type(), ", got ", t->scalar_type());
   }
   const WindowPaths paths = ChooseWindowPaths(q, k_win, v_win, g);
-  const auto outs = BranchesMixedFn::apply(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), k_slc.contiguous(),
+  const auto outs = BranchesMixedFn::apply(q, k_cmp.contiguous(), v_cmp.contiguous(), k_slc.contiguous(),
                                            v_slc.contiguous(), k_win.contiguous(), v_win.contiguous(),
-                                           gates.contiguous(), g, DenseCompressed(q, k_cmp, g), paths.tiled_forward,
-                                           paths.wgmma_backward);
+                                           gates.contiguous(), rope_cos, rope_sin, g, DenseCompressed(q, k_cmp, g),
+                                           paths.tiled_forward, paths.wgmma_backward);
   return {outs[0], outs[1]};
 }
 

@@ -40,12 +40,16 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
 
 // The three branches mixed by the gates, for bf16/fp16 inputs of one dtype: {out, block_idx}
 // with out = MixBranches(gates, o_cmp, o_slc, o_win) (fused_ops.h), o_cmp and block_idx as
-// from CompressedAttention + SelectBlocks, o_slc and o_win as from SelectedAndWindowAttention.
+// from CompressedAttention + SelectBlocks, o_slc and o_win as from SelectedAndWindowAttention,
+// all of them for the query ApplyRopeParts(q, rope_cos, rope_sin) (fused_ops.h): q comes in
+// unrotated ([B,T,H,D], unit stride in D; cos, sin [T, D/2] float32), so that its gradient
+// leaves the float32 sum of the branches' through RoPE's backward, rounded there once.
 // One autograd node: the mixing's backward reads each branch's output and writes its dO, so
 // it also sums rowsum(dO * O) for each, which the three attention backwards otherwise each
 // computed in a pass of their own (36 us per branch per layer at batch 16, T=2048, D64 12:2 on an H100); and the three
 // branches' dq are summed in float32, the compressed one starting the sum, and rounded once.
-std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& k_cmp,
+std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& rope_cos,
+                                                      const torch::Tensor& rope_sin, const torch::Tensor& k_cmp,
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,

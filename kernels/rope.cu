@@ -13,6 +13,7 @@
 // rounded separately (__fmul_rn, no FMA contraction) so that the float32 result is the one
 // the reference computes, then rounds once to the input type, as the reference does.
 #include <algorithm>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -74,18 +75,26 @@ __device__ __forceinline__ void LoadAngles(const float* __restrict__ cos, const 
 // y2 = x1 s + x2 c); -1 the backward, whose gradient is the inverse rotation
 // (dx1 = dy1 c + dy2 s, dx2 = dy2 c - dy1 s). Negating s is exact, so both round as the
 // reference's products and sums do.
-template <typename scalar_t, int kVec>
-__device__ __forceinline__ void RotateOrCopyChunk(const scalar_t* src, scalar_t* dst,
+// src_t: the input's type; scalar_t: the output's (float32 gradients go out rounded).
+template <typename src_t, typename scalar_t, int kVec>
+__device__ __forceinline__ void RotateOrCopyChunk(const src_t* src, scalar_t* dst,
                                                   const float* __restrict__ cos,
                                                   const float* __restrict__ sin,
                                                   const RowChunk& r, const RopeGeometry& g,
                                                   float direction) {
+  using SrcVec = Packed<src_t, kVec>;
   using Vec = Packed<scalar_t, kVec>;
-  const Vec a = *reinterpret_cast<const Vec*>(src + r.j0);
-  const Vec b = *reinterpret_cast<const Vec*>(src + r.j0 + g.half);
+  const SrcVec a = *reinterpret_cast<const SrcVec*>(src + r.j0);
+  const SrcVec b = *reinterpret_cast<const SrcVec*>(src + r.j0 + g.half);
   if (!((g.rotate_mask >> r.p) & 1u)) {
-    *reinterpret_cast<Vec*>(dst + r.j0) = a;
-    *reinterpret_cast<Vec*>(dst + r.j0 + g.half) = b;
+    Vec ca, cb;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      ca.v[k] = static_cast<scalar_t>(a.v[k]);
+      cb.v[k] = static_cast<scalar_t>(b.v[k]);
+    }
+    *reinterpret_cast<Vec*>(dst + r.j0) = ca;
+    *reinterpret_cast<Vec*>(dst + r.j0 + g.half) = cb;
     return;
   }
   float c[kVec], s[kVec];
@@ -113,23 +122,23 @@ __global__ void __launch_bounds__(kThreads)
     const RowChunk r = SplitChunk<kVec>(i, g);
     const scalar_t* in = x + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
     scalar_t* o = out.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    RotateOrCopyChunk<scalar_t, kVec>(in, o, cos, sin, r, g, 1.f);
+    RotateOrCopyChunk<scalar_t, scalar_t, kVec>(in, o, cos, sin, r, g, 1.f);
   }
 }
 
-// The parts' gradients -> dx [B,T,P,M,D] contiguous.
-template <typename scalar_t, int kVec>
+// The parts' gradients (grad_t: dx's type, or float32) -> dx [B,T,P,M,D] contiguous.
+template <typename grad_t, typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    RopeBackwardKernel(PartPtrs<const scalar_t> grads, scalar_t* __restrict__ dx,
+    RopeBackwardKernel(PartPtrs<const grad_t> grads, scalar_t* __restrict__ dx,
                        const float* __restrict__ cos, const float* __restrict__ sin,
                        RopeGeometry g, uint32_t items) {
   const uint32_t step = gridDim.x * kThreads;
   for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
     const RowChunk r = SplitChunk<kVec>(i, g);
-    const scalar_t* gp =
+    const grad_t* gp =
         grads.p[r.p] + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    RotateOrCopyChunk<scalar_t, kVec>(gp, dx + static_cast<int64_t>(r.row) * (2 * g.half), cos,
-                                      sin, r, g, -1.f);
+    RotateOrCopyChunk<grad_t, scalar_t, kVec>(gp, dx + static_cast<int64_t>(r.row) * (2 * g.half), cos,
+                                              sin, r, g, -1.f);
   }
 }
 
@@ -201,7 +210,7 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
 }
 
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tensor& cos,
-                        const at::Tensor& sin, uint32_t rotate_mask) {
+                        const at::Tensor& sin, uint32_t rotate_mask, std::optional<at::ScalarType> dx_type) {
   const int64_t P = static_cast<int64_t>(grads_in.size());
   TORCH_CHECK(P >= 1 && P <= kMaxRopeParts, "RoPE takes 1..", kMaxRopeParts, " parts, got ", P);
   std::vector<at::Tensor> grads;
@@ -215,22 +224,47 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
                 D = grads[0].size(3);
   TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
   CheckTable(cos, sin, T, D / 2, grads[0].device());
-  auto dx = at::empty({B, T, P, M, D}, grads[0].options());
+  const auto out_type = dx_type.value_or(grads[0].scalar_type());
+  const bool float_grads = grads[0].scalar_type() == at::kFloat && out_type != at::kFloat;
+  TORCH_CHECK(out_type == grads[0].scalar_type() || float_grads,
+              "rope backward: gradients of ", grads[0].scalar_type(), " cannot give dx of ", out_type);
+  auto dx = at::empty({B, T, P, M, D}, grads[0].options().dtype(out_type));
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return dx;
   TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
   const RopeGeometry g{0, 0, 0, 0, static_cast<int>(T), static_cast<int>(P),
                        static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
-    PartPtrs<const scalar_t> ptrs{};
-    std::vector<const scalar_t*> all = {dx.data_ptr<scalar_t>()};
-    for (int64_t p = 0; p < P; ++p) all.push_back(ptrs.p[p] = grads[p].data_ptr<scalar_t>());
-    DispatchRopeVec(g, all, [&](auto vec) {
-      constexpr int kVec = decltype(vec)::value;
-      const auto items = static_cast<uint32_t>(pairs / kVec);
-      Launch(RopeBackwardKernel<scalar_t, kVec>, GridStride(items), 0, ptrs, dx.data_ptr<scalar_t>(),
-             cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
-    });
+    const auto launch = [&](auto grad_type) {
+      using grad_t = decltype(grad_type);
+      PartPtrs<const grad_t> ptrs{};
+      for (int64_t p = 0; p < P; ++p) ptrs.p[p] = grads[p].data_ptr<grad_t>();
+      // Both types' alignment: the same element offsets, in the wider type's units.
+      std::vector<const scalar_t*> all = {dx.data_ptr<scalar_t>()};
+      bool grads_aligned_8 = true, grads_aligned_4 = true;
+      for (int64_t p = 0; p < P; ++p) {
+        grads_aligned_8 = grads_aligned_8 && AlignedFor(ptrs.p[p], 8);
+        grads_aligned_4 = grads_aligned_4 && AlignedFor(ptrs.p[p], 4);
+      }
+      const auto run = [&](auto vec) {
+        constexpr int kVec = decltype(vec)::value;
+        const auto items = static_cast<uint32_t>(pairs / kVec);
+        Launch(RopeBackwardKernel<grad_t, scalar_t, kVec>, GridStride(items), 0, ptrs, dx.data_ptr<scalar_t>(),
+               cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
+      };
+      if (RowsTakeVectors(g, all, 8) && grads_aligned_8) {
+        run(std::integral_constant<int, 8>{});
+      } else if (RowsTakeVectors(g, all, 4) && grads_aligned_4) {
+        run(std::integral_constant<int, 4>{});
+      } else {
+        run(std::integral_constant<int, 1>{});
+      }
+    };
+    if (float_grads) {
+      if constexpr (!std::is_same_v<scalar_t, float>) launch(float{});
+    } else {
+      launch(scalar_t{});
+    }
   });
   return dx;
 }

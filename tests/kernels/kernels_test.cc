@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "nsa/ops.h"
+#include "nsa/rope.h"
 #include "nsa_cuda.h"
 #include "test_names.h"
 #include "block_map.h"
@@ -695,10 +696,10 @@ torch::Tensor SelectedImportance(const torch::Tensor& importance, const torch::T
 }
 
 // The three branches and their gate mixing as one node (the model's call on the CUDA backend)
-// against the float32 reference: CompressedAttentionReference, SelectedAttentionReference over
-// the node's selection, SlidingWindowAttentionReference, mixed by the gates; the output and all
-// eight gradients (dq: three branches summed in float32, each attention backward given the
-// mixing's row sums). The node's selection must be worth what the separate ops' is (summed
+// against the float32 reference: ApplyRope of q, then CompressedAttentionReference,
+// SelectedAttentionReference over the node's selection, SlidingWindowAttentionReference, mixed
+// by the gates; the output and all eight gradients (dq: three branches summed in float32,
+// each attention backward given the mixing's row sums, rotated back by RoPE's backward). The node's selection must be worth what the separate ops' is (summed
 // importance per position; those ops are held to the reference above). Each compressed path
 // (ours, cuDNN) after each window backward; fp32 is refused (the dispatch takes separate calls).
 TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
@@ -711,12 +712,15 @@ TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
   auto ks = Random({kBatch, c.T, c.G, c.D}), vs = Random({kBatch, c.T, c.G, c.D});
   auto kw = Random({kBatch, c.T, c.G, c.D}), vw = Random({kBatch, c.T, c.G, c.D});
   auto gates = torch::rand({kBatch, c.T, c.H, 3}, Opts()).requires_grad_(true);
+  const auto rope = MakeRopeTable(torch::arange(c.T, Opts().dtype(torch::kLong)), c.D, 10000.0, torch::kFloat);
   if (c.dtype == torch::kFloat) {
-    EXPECT_THROW(cuda::BranchesMixed(q, kc, vc, ks, vs, kw, vw, gates, geo_), c10::Error);
+    EXPECT_THROW(cuda::BranchesMixed(q, rope.cos, rope.sin, kc, vc, ks, vs, kw, vw, gates, geo_), c10::Error);
     return;
   }
   const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  const auto separate_importance = cuda::CompressedAttention(q.detach(), kc.detach(), vc.detach(), geo_).importance;
+  const auto q_rotated = ApplyRope(q.detach(), rope);
+  const auto separate_importance =
+      cuda::CompressedAttention(q_rotated, kc.detach(), vc.detach(), geo_).importance;
 
   std::vector<Win::Backward> backwards = {Win::Backward::kFlash};
   if (cuda::detail::WgmmaRunsHere() && (c.D == 64 || c.D == 128)) backwards.push_back(Win::Backward::kWgmma);
@@ -732,7 +736,7 @@ TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
       const cuda::detail::ScopedWindowKernelChoice force_win({Win::Forward::kAuto, backward});
       for (auto* t : {&q, &kc, &vc, &ks, &vs, &kw, &vw, &gates}) t->mutable_grad().reset();
       Poison();
-      const auto [out, idx] = cuda::BranchesMixed(q, kc, vc, ks, vs, kw, vw, gates, geo_);
+      const auto [out, idx] = cuda::BranchesMixed(q, rope.cos, rope.sin, kc, vc, ks, vs, kw, vw, gates, geo_);
       Poison();
       out.backward(grad);
 
@@ -743,9 +747,10 @@ TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
 
       auto q32 = Upcast(q), kc32 = Upcast(kc), vc32 = Upcast(vc), ks32 = Upcast(ks), vs32 = Upcast(vs),
            kw32 = Upcast(kw), vw32 = Upcast(vw), g32 = Upcast(gates);
-      const auto ref_c = CompressedAttentionReference(q32, kc32, vc32, geo_).out;
-      const auto ref_s = SelectedAttentionReference(q32, ks32, vs32, idx, geo_);
-      const auto ref_w = SlidingWindowAttentionReference(q32, kw32, vw32, geo_);
+      const auto q32_rotated = ApplyRope(q32, rope);
+      const auto ref_c = CompressedAttentionReference(q32_rotated, kc32, vc32, geo_).out;
+      const auto ref_s = SelectedAttentionReference(q32_rotated, ks32, vs32, idx, geo_);
+      const auto ref_w = SlidingWindowAttentionReference(q32_rotated, kw32, vw32, geo_);
       const auto ref = g32.select(3, 0).unsqueeze(3) * ref_c + g32.select(3, 1).unsqueeze(3) * ref_s +
                        g32.select(3, 2).unsqueeze(3) * ref_w;
       ref.backward(grad.to(torch::kFloat));

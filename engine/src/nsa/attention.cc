@@ -135,8 +135,6 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   // The three layers that read x (q, kv and the gate MLP's first) as one GEMM.
   const auto projected = SharedInputLinear(
       x, {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))});
-  // RoPE through the dispatch (fused kernels on the CUDA backend).
-  const auto q = RotateParts(backend_, projected[0].view({B, T, 1, H, D}), rope.tokens, {true})[0];
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
   // contiguous parts by one call, which also rotates the selected and window keys; its
   // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
@@ -155,7 +153,9 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto gate_logits =
       ApplyLinear(torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(2)), torch::silu(projected[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
-  const auto mixed = AttendAndMix(backend_, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, G, g);
+  // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
+  const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
+                                  v_slc, k_win, v_win, gates, G, g);
   last_gates_ = gates.detach();
   last_block_idx_ = mixed.block_idx.detach();
   return ApplyLinear(o_proj_, mixed.out.reshape({B, T, H * D}));

@@ -94,13 +94,15 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
   return SlidingWindowAttentionReference(q, k, v, g);
 }
 
-MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q, const torch::Tensor& k_cmp,
-                           const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
-                           const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
-                           int64_t num_groups, const Geometry& g) {
+MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unrotated, const RopeTable& q_rope,
+                           const torch::Tensor& k_cmp, const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
+                           const torch::Tensor& v_slc, const torch::Tensor& k_win, const torch::Tensor& v_win,
+                           const torch::Tensor& gates, int64_t num_groups, const Geometry& g) {
+  const auto& q_in = q_unrotated;
 #ifdef NSAD_HAVE_CUDA_KERNELS
-  const auto type = q.scalar_type();
-  const bool one_reduced_type = (type == torch::kBFloat16 || type == torch::kHalf) && q.is_cuda() &&
+  const auto type = q_in.scalar_type();
+  const bool one_reduced_type = (type == torch::kBFloat16 || type == torch::kHalf) && q_in.is_cuda() &&
+                                q_in.stride(3) == 1 && q_rope.cos.scalar_type() == torch::kFloat &&
                                 k_cmp.scalar_type() == type && v_cmp.scalar_type() == type &&
                                 k_slc.scalar_type() == type && v_slc.scalar_type() == type &&
                                 k_win.scalar_type() == type && v_win.scalar_type() == type &&
@@ -108,10 +110,13 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q, con
   if (UseCuda(backend) && one_reduced_type) {
     cuda_layers.fetch_add(1, std::memory_order_relaxed);
     fused_calls.fetch_add(1, std::memory_order_relaxed);  // the gate mixing
-    auto [out, block_idx] = cuda::BranchesMixed(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g);
+    fused_calls.fetch_add(1, std::memory_order_relaxed);  // RoPE
+    auto [out, block_idx] =
+        cuda::BranchesMixed(q_in, q_rope.cos, q_rope.sin, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g);
     return {out, block_idx};
   }
 #endif
+  const auto q = RotateParts(backend, q_in.unsqueeze(2), q_rope, {true})[0];
   const auto cmp = CompressAndSelect(backend, q, k_cmp, v_cmp, num_groups, q.size(1), g);
   const auto [o_slc, o_win] = SelectedAndWindowAttention(backend, q, k_slc, v_slc, cmp.block_idx, k_win, v_win, g);
   return {MixBranches(backend, gates, cmp.out, o_slc, o_win), cmp.block_idx};

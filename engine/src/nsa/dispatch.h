@@ -37,16 +37,18 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(AttentionBack
                                                                    const torch::Tensor& k_win,
                                                                    const torch::Tensor& v_win, const Geometry& g);
 
-// The three branches mixed by the gates [B,T,H,3] (cmp, slc, win): CompressAndSelect, then
-// SelectedAndWindowAttention, then MixBranches. On the CUDA kernels with bf16/fp16 inputs of
-// one dtype, one autograd node (cuda::BranchesMixed in nsa_cuda.h) whose backward hands the
-// attention backwards the row sums the mixing's backward already has and rounds the three
-// branches' summed dq once; otherwise the three calls.
+// The three branches mixed by the gates [B,T,H,3] (cmp, slc, win), for the query q_unrotated
+// [B,T,H,D] rotated by q_rope: RotateParts, CompressAndSelect, SelectedAndWindowAttention,
+// MixBranches. On the CUDA kernels with bf16/fp16 inputs of one dtype, one autograd node
+// (cuda::BranchesMixed in nsa_cuda.h) whose backward hands the attention backwards the row
+// sums the mixing's backward already has and rounds the three branches' summed dq once, in
+// RoPE's backward; otherwise those four calls.
 struct MixedBranches {
   torch::Tensor out;        // [B,T,H,D]
   torch::Tensor block_idx;  // selected blocks [B,T,G,n] int32
 };
-MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q, const torch::Tensor& k_cmp,
+MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unrotated, const RopeTable& q_rope,
+                           const torch::Tensor& k_cmp,
                            const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                            const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
                            int64_t num_groups, const Geometry& g);
