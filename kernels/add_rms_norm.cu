@@ -71,6 +71,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The backward's per-warp weight-gradient rows in shared memory (kWarps x C floats, one
+// writer per (warp, channel): no atomics): zeroed, and this warp's row returned.
+__device__ __forceinline__ float* ZeroedWarpRows(float* dw_smem, int C) {
+  for (int c = threadIdx.x; c < kWarps * C; c += kThreads) dw_smem[c] = 0.f;
+  __syncthreads();
+  return dw_smem + (threadIdx.x / 32) * C;
+}
+// The CTA's weight-gradient partial: the sum of its warps' rows, into dw_partial[blockIdx.x].
+__device__ __forceinline__ void StoreCtaPartial(const float* dw_smem, float* dw_partial, int C) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += kThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int warp = 0; warp < kWarps; ++warp) sum += dw_smem[warp * C + c];
+    dw_partial[static_cast<int64_t>(blockIdx.x) * C + c] = sum;
+  }
+}
+
 // With s_hat = s * rstd and u = dh * w: ds = ds_in + rstd * (u - s_hat * mean(u * s_hat));
 // dw = sum over rows of dh * s_hat (per CTA into dw_partial[blockIdx.x]).
 template <typename scalar_t, int kVec>
@@ -80,12 +98,9 @@ __global__ void __launch_bounds__(kThreads)
                              const float* __restrict__ w, float* __restrict__ ds,
                              scalar_t* __restrict__ dy, float* __restrict__ dw_partial,
                              int64_t rows, int C) {
-  // One row of weight-gradient sums per warp: each (warp, channel) has one writer, no atomics.
   extern __shared__ float dw_smem[];
-  for (int c = threadIdx.x; c < kWarps * C; c += kThreads) dw_smem[c] = 0.f;
-  __syncthreads();
+  float* dw_warp = ZeroedWarpRows(dw_smem, C);
   const int lane = threadIdx.x % 32;
-  float* dw_warp = dw_smem + (threadIdx.x / 32) * C;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t base = row * C;
@@ -116,13 +131,7 @@ __global__ void __launch_bounds__(kThreads)
       StoreFloats<kVec>(dy + base + c, d);
     }
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < C; c += kThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int warp = 0; warp < kWarps; ++warp) sum += dw_smem[warp * C + c];
-    dw_partial[static_cast<int64_t>(blockIdx.x) * C + c] = sum;
-  }
+  StoreCtaPartial(dw_smem, dw_partial, C);
 }
 
 // The same backward with each lane's share of the row held in registers (C <= 32 * kVec *
@@ -137,10 +146,8 @@ __global__ void __launch_bounds__(kThreads)
                                       scalar_t* __restrict__ dy, float* __restrict__ dw_partial,
                                       int64_t rows, int C) {
   extern __shared__ float dw_smem[];
-  for (int c = threadIdx.x; c < kWarps * C; c += kThreads) dw_smem[c] = 0.f;
-  __syncthreads();
+  float* dw_warp = ZeroedWarpRows(dw_smem, C);
   const int lane = threadIdx.x % 32;
-  float* dw_warp = dw_smem + (threadIdx.x / 32) * C;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int64_t base = row * C;
@@ -184,13 +191,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < C; c += kThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int warp = 0; warp < kWarps; ++warp) sum += dw_smem[warp * C + c];
-    dw_partial[static_cast<int64_t>(blockIdx.x) * C + c] = sum;
-  }
+  StoreCtaPartial(dw_smem, dw_partial, C);
 }
 // Row chunks per lane the register kernel holds: C up to 32 * 4 * 8 = 1024 channels.
 constexpr int kBackwardRegisterIters = 8;

@@ -56,6 +56,37 @@ __device__ __forceinline__ void BlockSoftmaxState(float& m, float& s) {
   }
 }
 
+// Folds kVec logits into a thread's online (max, sum of exp(x - max)).
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ void AddToSoftmaxState(const Packed<scalar_t, kVec>& chunk, float& m, float& s) {
+  float vals[kVec];
+  float chunk_max = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    vals[j] = static_cast<float>(chunk.v[j]);
+    chunk_max = fmaxf(chunk_max, vals[j]);
+  }
+  const float mx = fmaxf(m, chunk_max);
+  if (mx == -INFINITY) return;  // all -inf so far: nothing to add
+  float chunk_sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) chunk_sum += exp2f((vals[j] - mx) * kLog2e);
+  s = (m == -INFINITY ? 0.f : s * exp2f((m - mx) * kLog2e)) + chunk_sum;
+  m = mx;
+}
+
+// One row's loss from its max and log(sum): (max - logit) + log(sum), not log-sum-exp -
+// logit: at large logits (|x| ~ 1e3) the log-sum-exp's rounding would cost the loss its low
+// digits, as LibTorch's x - max - log(sum) does not. 0 for an ignored target, NaN for one
+// outside [0, V).
+template <typename scalar_t>
+__device__ __forceinline__ float RowLoss(const scalar_t* row_logits, int64_t t, int64_t V, int64_t ignore_index,
+                                         float m, float log_sum) {
+  if (t == ignore_index) return 0.f;
+  if (t < 0 || t >= V) return NAN;
+  return (m - static_cast<float>(row_logits[t])) + log_sum;
+}
+
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     CrossEntropyForwardKernel(const scalar_t* __restrict__ logits, const int64_t* __restrict__ targets,
@@ -64,39 +95,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = blockIdx.x;
   const auto* x = reinterpret_cast<const Packed<scalar_t, kVec>*>(logits + row * V);
   float m = -INFINITY, s = 0.f;
-  for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) {
-    const auto chunk = x[i];
-    float vals[kVec];
-    float chunk_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      vals[j] = static_cast<float>(chunk.v[j]);
-      chunk_max = fmaxf(chunk_max, vals[j]);
-    }
-    const float mx = fmaxf(m, chunk_max);
-    if (mx == -INFINITY) continue;  // all -inf so far: nothing to add
-    float chunk_sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) chunk_sum += exp2f((vals[j] - mx) * kLog2e);
-    s = (m == -INFINITY ? 0.f : s * exp2f((m - mx) * kLog2e)) + chunk_sum;
-    m = mx;
-  }
+  for (int64_t i = threadIdx.x; i < V / kVec; i += kThreads) AddToSoftmaxState<scalar_t, kVec>(x[i], m, s);
   BlockSoftmaxState(m, s);
   if (threadIdx.x == 0) {
-    // (max - logit) + log(sum), not log-sum-exp - logit: at large logits (|x| ~ 1e3) the
-    // log-sum-exp's rounding would cost the loss its low digits, as LibTorch's
-    // x - max - log(sum) does not.
     const float log_sum = logf(s);
-    const int64_t t = targets[row];
-    float loss;
-    if (t == ignore_index) {
-      loss = 0.f;
-    } else if (t < 0 || t >= V) {
-      loss = NAN;
-    } else {
-      loss = (m - static_cast<float>(logits[row * V + t])) + log_sum;
-    }
-    row_loss[row] = loss;
+    row_loss[row] = RowLoss(logits + row * V, targets[row], V, ignore_index, m, log_sum);
     row_stats[2 * row] = m;
     row_stats[2 * row + 1] = log_sum;
   }
@@ -155,35 +158,12 @@ __global__ void __launch_bounds__(kOnePassThreads, 2)
   for (int64_t i = threadIdx.x; i < chunks; i += kOnePassThreads) {
     const Vec chunk = x[i];
     row_copy[i] = chunk;
-    float vals[kVec];
-    float chunk_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      vals[j] = static_cast<float>(chunk.v[j]);
-      chunk_max = fmaxf(chunk_max, vals[j]);
-    }
-    const float mx = fmaxf(m, chunk_max);
-    if (mx == -INFINITY) continue;  // all -inf so far: nothing to add
-    float chunk_sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) chunk_sum += exp2f((vals[j] - mx) * kLog2e);
-    s = (m == -INFINITY ? 0.f : s * exp2f((m - mx) * kLog2e)) + chunk_sum;
-    m = mx;
+    AddToSoftmaxState<scalar_t, kVec>(chunk, m, s);
   }
   BlockSoftmaxState<kOnePassThreads>(m, s);  // its __syncthreads also publishes row_copy
   const float log_sum = logf(s);
   const int64_t t = targets[row];
-  if (threadIdx.x == 0) {
-    float loss;  // as CrossEntropyForwardKernel's
-    if (t == ignore_index) {
-      loss = 0.f;
-    } else if (t < 0 || t >= V) {
-      loss = NAN;
-    } else {
-      loss = (m - static_cast<float>(logits[row * V + t])) + log_sum;
-    }
-    row_loss[row] = loss;
-  }
+  if (threadIdx.x == 0) row_loss[row] = RowLoss(logits + row * V, t, V, ignore_index, m, log_sum);
   const float scale = t == ignore_index ? 0.f : expected_grad / *count;
   auto* g = reinterpret_cast<Vec*>(grad + row * V);
   for (int64_t i = threadIdx.x; i < chunks; i += kOnePassThreads) {
