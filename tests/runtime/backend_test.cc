@@ -3,12 +3,16 @@
 // gate mixing) run exactly with the CUDA backend (nsa::FusedCallsExecuted), and environment
 // variables named like the field reports' flags switch nothing. GPU cases run only where a
 // GPU is present.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+
+#include <cstdio>
 
 #include "../common/first_losses.h"
 #include "../common/temp_dir.h"
 #include "data/shard.h"
+#include "model/shared_input_linear.h"
 #include "nsa/dispatch.h"
 #include "nsad/engine.h"
 
@@ -175,6 +179,46 @@ TEST_F(BackendTest, CudaGraphsSkipANonFiniteStepAndGoOn) {
     }
   }
   EXPECT_TRUE(std::isfinite(trainer->Evaluate()));
+}
+
+// On CUDA under bf16 autocast a linear layer's weight gradient comes out of the GEMM in
+// float32 (ApplyLinear's own node), where at::linear's is written in bf16 and cast: the same
+// output and input gradient, and a weight gradient closer to the float64 one computed from
+// the same bf16 operands. The tied LM head's ApplyWeight likewise.
+TEST(LinearOnCuda, WeightGradientLeavesTheGemmInFloat32) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(3);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  torch::nn::Linear layer(256, 384);
+  layer->to(torch::kCUDA);
+  const auto x = torch::randn({4, 257, 256}, cuda).requires_grad_(true);
+  const auto dy = torch::randn({4, 257, 384}, cuda.dtype(torch::kBFloat16));
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  const auto ours = ApplyLinear(layer, x);
+  const auto theirs = at::linear(x, layer->weight, layer->bias);
+  const auto head = ApplyWeight(x, layer->weight);
+  at::autocast::set_autocast_enabled(at::kCUDA, false);
+  at::autocast::clear_cache();
+  ASSERT_EQ(ours.scalar_type(), torch::kBFloat16);
+  ASSERT_EQ(head.scalar_type(), torch::kBFloat16);
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    const auto bd = b.to(torch::kDouble);
+    return ((a.to(torch::kDouble) - bd).norm() / bd.norm()).item<double>();
+  };
+  EXPECT_LT(rel(ours, theirs), 1e-2);
+  const auto g_ours = torch::autograd::grad({ours}, {x, layer->weight, layer->bias}, {dy});
+  const auto g_theirs = torch::autograd::grad({theirs}, {x, layer->weight, layer->bias}, {dy});
+  const auto g_head = torch::autograd::grad({head}, {layer->weight}, {dy})[0];
+  EXPECT_LT(rel(g_ours[0], g_theirs[0]), 1e-2);
+  EXPECT_LT(rel(g_ours[2], g_theirs[2]), 1e-2);
+  ASSERT_EQ(g_ours[1].scalar_type(), torch::kFloat);
+  const auto dw_exact = torch::mm(dy.reshape({-1, 384}).t().to(torch::kDouble),
+                                  x.detach().reshape({-1, 256}).to(torch::kBFloat16).to(torch::kDouble));
+  const double ours_err = rel(g_ours[1], dw_exact), theirs_err = rel(g_theirs[1], dw_exact);
+  std::printf("    dW rel err: float32 out %.2e, bf16 out and cast %.2e\n", ours_err, theirs_err);
+  EXPECT_LT(ours_err, 0.5 * theirs_err);
+  EXPECT_LT(rel(g_head, dw_exact), 0.5 * theirs_err);
 }
 
 }  // namespace

@@ -11,6 +11,15 @@
 namespace nsad {
 namespace {
 
+// dW = g^T x in the parameters' dtype. Where the GEMM can write it (CUDA, 16-bit operands,
+// float32 parameters) it does, instead of writing 16-bit and casting: one kernel and one
+// rounding less per weight.
+torch::Tensor WeightGradient(const torch::Tensor& g, const torch::Tensor& x2, at::ScalarType param_dtype) {
+  const bool narrow = x2.scalar_type() == at::kBFloat16 || x2.scalar_type() == at::kHalf;
+  if (x2.is_cuda() && narrow && param_dtype == at::kFloat) return at::mm(g.t(), x2, param_dtype);
+  return at::mm(g.t(), x2).to(param_dtype);
+}
+
 // SharedInputLinear's autograd node. Inputs: x, then the layers' weights, then the biases of
 // the layers whose has_bias is 1. Forward: one GEMM, the biases in its epilogue (a joint
 // bias vector, zeros where a layer has none). Backward, per output part that got a gradient:
@@ -34,9 +43,14 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     const auto x2 = x.reshape({-1, x.size(-1)}).to(ct);
     torch::Tensor out;
     if (params.size() > n) {
-      auto bias = at::zeros({joint.size(0)}, joint.options());
-      for (size_t i = 0, b = n, offset = 0; i < n; offset += sizes[i], ++i) {
-        if (has_bias[i]) bias.narrow(0, offset, sizes[i]).copy_(params[b++]);
+      torch::Tensor bias;
+      if (n == 1) {
+        bias = params[1].to(ct);
+      } else {
+        bias = at::zeros({joint.size(0)}, joint.options());
+        for (size_t i = 0, b = n, offset = 0; i < n; offset += sizes[i], ++i) {
+          if (has_bias[i]) bias.narrow(0, offset, sizes[i]).copy_(params[b++]);
+        }
       }
       out = at::addmm(bias, x2, joint.t());
     } else {
@@ -87,7 +101,7 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
       } else {
         dx = at::mm(g, w);
       }
-      out[1 + i] = at::mm(g.t(), x2).to(param_dtype);
+      out[1 + i] = WeightGradient(g, x2, param_dtype);
       if (has_bias[i]) out[bias_slot[i]] = SumRows(g).to(param_dtype);
     }
     if (dx.defined()) out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
@@ -104,8 +118,27 @@ torch::Tensor JointWeight(const std::vector<torch::nn::Linear>& layers) {
 
 }  // namespace
 
+torch::ScalarType LinearComputeType(const torch::Tensor& x) {
+  const auto device = x.device().type();
+  return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+}
+
+// Whether x @ weight^T takes SharedInputLinearFn (its float32 weight gradient straight from the
+// GEMM) instead of at::linear: CUDA, a 16-bit compute type, float32 weights.
+bool TakesOwnNode(const torch::Tensor& x, const torch::Tensor& weight) {
+  const auto ct = LinearComputeType(x);
+  return x.is_cuda() && weight.scalar_type() == at::kFloat && (ct == at::kBFloat16 || ct == at::kHalf);
+}
+
 torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  if (TakesOwnNode(x, layer->weight)) return SharedInputLinear(x, {layer})[0];
   return at::linear(x, layer->weight, layer->bias.defined() ? std::optional<at::Tensor>(layer->bias) : std::nullopt);
+}
+
+torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight) {
+  if (!TakesOwnNode(x, weight)) return at::linear(x, weight);
+  return SharedInputLinearFn::apply(x, at::TensorList(weight), std::vector<int64_t>{0},
+                                    static_cast<int64_t>(LinearComputeType(x)))[0];
 }
 
 torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
@@ -113,12 +146,7 @@ torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
   for (const auto& layer : layers) {
     TORCH_CHECK(!layer->bias.defined(), "SharedInputLinearJoint takes layers without a bias");
   }
-  return at::linear(x, JointWeight(layers));
-}
-
-torch::ScalarType LinearComputeType(const torch::Tensor& x) {
-  const auto device = x.device().type();
-  return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+  return ApplyWeight(x, JointWeight(layers));
 }
 
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,

@@ -14,7 +14,13 @@ namespace nsad {
 // that add mixes a bf16 output with a float32 bias and takes PyTorch's slow casting path
 // (0.245 ms per layer for the 113 MB joint projection at batch 16, T=2048, on an H100:
 // longer than the GEMM itself).
+// On CUDA under 16-bit autocast with float32 parameters it runs SharedInputLinear's node
+// instead (the same GEMMs): the weight gradient comes out of the GEMM in float32, where
+// at::linear's is written in 16 bits and then cast by autocast's backward (one kernel per
+// weight, 4-117 us each for m7c at batch 16 on an H100).
 torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x);
+// x @ weight^T (no bias) the same way: the tied LM head.
+torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight);
 
 // The dtype at::linear computes in for input x: autocast's where it is on for x's device,
 // else x's own. For autograd nodes that run their GEMMs with autocast off.

@@ -191,7 +191,7 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   const auto normed = AddPendingAndNorm(backend_, x, pending, final_norm_).second;
   // Logits stay in the matmul's dtype (bf16 under autocast): the loss takes them as they
   // are (nsa::CrossEntropyLoss), and a float32 copy is 6.6 GB at batch 16.
-  return torch::nn::functional::linear(normed, embed_->weight);
+  return ApplyWeight(normed, embed_->weight);
 }
 
 torch::Tensor NsaTransformerImpl::last_gate_stats_tensor() const {
