@@ -81,6 +81,7 @@ struct CompressedSaved {
   torch::Tensor lse;              // ours: [B,T,H] (log2 units); cuDNN: the packed rows'
   torch::Tensor q_rows, out_rows, seed, offset;  // cuDNN only
 };
+// 1/sqrt(head_dim): the softmax scale every branch's attention takes.
 double SoftmaxScale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
 
 CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
@@ -171,7 +172,7 @@ struct WindowSaved {
 WindowSaved WindowForwardToSave(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 int64_t window, bool tiled_forward, bool wgmma_backward) {
   const int64_t T = q.size(1);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const double scale = SoftmaxScale(q);
   WindowSaved w;
   if (tiled_forward) {
     std::tie(w.out, w.lse) = detail::WindowForward(q, k, v, window);
@@ -195,7 +196,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WindowGradients(
     const torch::Tensor& delta = {}) {
   if (wgmma_backward) return detail::WindowBackward(dout, q, k, v, w.out, w.lse, window, dq_sum, delta);
   const int64_t T = q.size(1);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  const double scale = SoftmaxScale(q);
   auto [dq, dk, dv] = at::_flash_attention_backward(
       dout.contiguous(), q, k, v, w.out, w.lse, torch::Tensor(), torch::Tensor(), T, T, /*dropout_p=*/0.0,
       /*is_causal=*/true, w.rng_state, w.unused, scale, window - 1, /*window_size_right=*/0);
