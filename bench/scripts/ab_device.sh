@@ -6,6 +6,9 @@
 #   bench/scripts/ab_device.sh OUT_DIR
 # Env (defaults in brackets):
 #   VARIANTS       flag sets separated by ';', passed to both benches ["" : the default dispatch]
+#   PREV_TREE      another source tree (e.g. .prev from `git archive HEAD | tar -x -C .prev`,
+#                  carried): its benches are built too, and each variant runs on it ("prev")
+#                  right before this tree ("this"), for an A/B of two commits in one call [unset]
 #   TEST_FILTER    kernels_test --gtest_filter ['*'; "skip" runs none]
 #   MEMCHECK_FILTER kernels_test filter under memcheck [skip]
 #   NSA_ARGS       nsa_bench arguments ["--seqs 2048 --batch 16 --dims 64 --heads 12:2 --reps 10 --warmup 3"; "skip"]
@@ -27,6 +30,17 @@ if ! { cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH
        timeout 480 cmake --build "$B" -j "$(nproc)" --target kernels_test nsa_bench train_bench \
          > "$out/build.log" 2>&1; }; then
   tail -40 "$out/configure.log" "$out/build.log"; echo "BUILD FAILED"; exit 1
+fi
+trees=("this:$B")
+if [ -n "${PREV_TREE:-}" ]; then
+  step "build $PREV_TREE"
+  if ! { cmake -S "$PREV_TREE" -B "$B-prev" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
+           -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure-prev.log" 2>&1 &&
+         timeout 480 cmake --build "$B-prev" -j "$(nproc)" --target nsa_bench train_bench \
+           > "$out/build-prev.log" 2>&1; }; then
+    tail -40 "$out/configure-prev.log" "$out/build-prev.log"; echo "PREV BUILD FAILED"; exit 1
+  fi
+  trees=("prev:$B-prev" "this:$B")
 fi
 
 if [ "${TEST_FILTER:-*}" != skip ]; then
@@ -52,20 +66,23 @@ nsa_args=${NSA_ARGS:---seqs 2048 --batch 16 --dims 64 --heads 12:2 --reps 10 --w
 train_args=${TRAIN_ARGS:---batches 16 --steps 20 --variants nsa-cuda --cuda-graphs 1}
 for round in $(seq "${ROUNDS:-2}"); do
   for var in "${variants[@]}"; do
-    if [ "$nsa_args" != skip ]; then
-      step "round $round nsa_bench [${var:-default}]"
-      # shellcheck disable=SC2086
-      timeout 240 "$B/bench/nsa_bench" $nsa_args $var > "$out/nsa_bench.log.tmp" 2>&1 || status=1
-      grep -E "^#.*(MMAs|forward|kernels)|^ *seq|^ *[0-9]" "$out/nsa_bench.log.tmp" | grep -v ceilings
-      cat "$out/nsa_bench.log.tmp" >> "$out/nsa_bench.log"
-    fi
-    if [ "$train_args" != skip ]; then
-      step "round $round train_bench [${var:-default}]"
-      # shellcheck disable=SC2086
-      timeout 240 "$B/bench/train/train_bench" $train_args $var > "$out/train_bench.log.tmp" 2>&1 || status=1
-      tail -n 3 "$out/train_bench.log.tmp"
-      cat "$out/train_bench.log.tmp" >> "$out/train_bench.log"
-    fi
+    for tree in "${trees[@]}"; do
+      name=${tree%%:*} dir=${tree#*:}
+      if [ "$nsa_args" != skip ]; then
+        step "round $round nsa_bench [${var:-default}] $name"
+        # shellcheck disable=SC2086
+        timeout 240 "$dir/bench/nsa_bench" $nsa_args $var > "$out/nsa_bench.log.tmp" 2>&1 || status=1
+        grep -E "^#.*(MMAs|forward|kernels)|^ *seq|^ *[0-9]" "$out/nsa_bench.log.tmp" | grep -v ceilings
+        cat "$out/nsa_bench.log.tmp" >> "$out/nsa_bench.log"
+      fi
+      if [ "$train_args" != skip ]; then
+        step "round $round train_bench [${var:-default}] $name"
+        # shellcheck disable=SC2086
+        timeout 240 "$dir/bench/train/train_bench" $train_args $var > "$out/train_bench.log.tmp" 2>&1 || status=1
+        tail -n 3 "$out/train_bench.log.tmp"
+        cat "$out/train_bench.log.tmp" >> "$out/train_bench.log"
+      fi
+    done
   done
 done
 rm -f "$out"/*.tmp
