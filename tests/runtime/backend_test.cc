@@ -13,6 +13,8 @@
 #include "../common/temp_dir.h"
 #include "data/shard.h"
 #include "model/shared_input_linear.h"
+#include "model/transformer.h"
+#include "model/weight_copies.h"
 #include "nsa/dispatch.h"
 #include "nsad/engine.h"
 
@@ -219,6 +221,71 @@ TEST(LinearOnCuda, WeightGradientLeavesTheGemmInFloat32) {
   std::printf("    dW rel err: float32 out %.2e, bf16 out and cast %.2e\n", ours_err, theirs_err);
   EXPECT_LT(ours_err, 0.5 * theirs_err);
   EXPECT_LT(rel(g_head, dw_exact), 0.5 * theirs_err);
+}
+
+// On CUDA under bf16 autocast the model's GEMMs read its 16-bit weight copies (one
+// multi-tensor copy per forward) instead of casting each weight: every GEMM weight of every
+// forward comes from the copies, and the logits and every gradient are those of the casts,
+// also after an in-place update of the weights (the optimizer's).
+TEST(WeightCopiesOnCuda, TheModelReadsItsCopiesAndComputesWhatTheCastsDo) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(11);
+  ModelConfig config;
+  config.dim = 128;
+  config.n_layers = 2;
+  config.n_heads = 4;
+  config.n_kv_groups = 2;
+  config.head_dim = 64;
+  config.nsa = {16, 8, 32, 4, 64};
+  NsaTransformer model(config, AttentionBackend::kCuda);
+  model->to(torch::kCUDA);
+  const auto tokens = torch::randint(0, config.vocab_size, {2, 200}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
+  struct Pass {
+    torch::Tensor logits;
+    std::vector<torch::Tensor> grads;
+    int64_t joints_served = 0;
+  };
+  auto run = [&](bool copies) {
+    model->set_weight_copies(copies);
+    model->zero_grad();
+    Pass pass;
+    const int64_t served = WeightCopies::JointsServed();
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    pass.logits = model->forward(tokens);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    pass.joints_served = WeightCopies::JointsServed() - served;
+    pass.logits.to(torch::kFloat).logsumexp(-1).mean().backward();
+    for (const auto& p : model->parameters()) {
+      pass.grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    }
+    return pass;
+  };
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    const auto bd = b.to(torch::kDouble);
+    return ((a.to(torch::kDouble) - bd).norm() / bd.norm().clamp_min(1e-30)).item<double>();
+  };
+  // Per layer: q|kv|gate, the gate head, the out projection, the MLP's gate|up and its down
+  // projection; then the LM head.
+  const int64_t gemms_per_forward = 5 * config.n_layers + 1;
+  for (int round = 0; round < 2; ++round) {
+    const auto with = run(true), without = run(false);
+    EXPECT_EQ(with.joints_served, gemms_per_forward) << "round " << round;
+    EXPECT_EQ(without.joints_served, 0) << "round " << round;
+    // The dK/dV kernels add in float32 with atomics (not bit-reproducible), so gradients are
+    // compared at a tolerance far below what a misplaced or stale weight would give.
+    EXPECT_LT(rel(with.logits, without.logits), 1e-3) << "round " << round;
+    ASSERT_EQ(with.grads.size(), without.grads.size());
+    for (size_t i = 0; i < with.grads.size(); ++i) {
+      ASSERT_EQ(with.grads[i].defined(), without.grads[i].defined()) << "parameter " << i;
+      if (with.grads[i].defined()) {
+        EXPECT_LT(rel(with.grads[i], without.grads[i]), 1e-2) << "round " << round << " parameter " << i;
+      }
+    }
+    torch::NoGradGuard no_grad;  // an optimizer-like in-place update before the next round
+    for (auto& p : model->parameters()) p.add_(torch::randn_like(p) * 0.05);
+  }
 }
 
 }  // namespace

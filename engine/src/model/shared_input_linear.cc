@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "model/row_ops.h"
+#include "model/weight_copies.h"
 
 namespace nsad {
 namespace {
@@ -22,15 +23,18 @@ torch::Tensor WeightGradient(const torch::Tensor& g, const torch::Tensor& x2, at
 
 // SharedInputLinear's autograd node. Inputs: x, then the layers' weights, then the biases of
 // the layers whose has_bias is 1. Forward: one GEMM, the biases in its epilogue (a joint
-// bias vector, zeros where a layer has none). Backward, per output part that got a gradient:
-// dx += g_i W_i and dW_i = g_i^T x, db_i = the row sum of g_i. The parts' gradients are never
-// concatenated (autograd's split backward copied all 113 MB of them at batch 16, T=2048) and
-// no bias gradient reads another layer's part.
+// bias vector, zeros where a layer has none); its weight operand is the weights' 16-bit copy
+// where a UseWeightCopies scope holds one (model/weight_copies.h), else their cast. Outputs:
+// one per layer (`split`), or the joint output alone. Backward, per output part that got a
+// gradient: dx += g_i W_i and dW_i = g_i^T x, db_i = the row sum of g_i. The parts'
+// gradients are never concatenated (autograd's split backward copied all 113 MB of them at
+// batch 16, T=2048) and no bias gradient reads another layer's part. A joint output's
+// gradient is one part: one dx GEMM and one dW GEMM, whose rows are the layers' dW.
 class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 at::TensorList params, std::vector<int64_t> has_bias,
-                                                int64_t compute_dtype) {
+                                                int64_t compute_dtype, bool split) {
     // The caller chose the GEMM's dtype (autocast's, as at::linear would); nothing in here
     // may be recast.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -39,7 +43,9 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     const std::vector<torch::Tensor> weights(params.begin(), params.begin() + n);
     std::vector<int64_t> sizes;
     for (const auto& w : weights) sizes.push_back(w.size(0));
-    const auto joint = (n == 1 ? weights[0] : at::cat(weights)).to(ct);
+    torch::Tensor joint;
+    if (const auto* copies = UseWeightCopies::Current()) joint = copies->Joint(weights, ct);
+    if (!joint.defined()) joint = (n == 1 ? weights[0] : at::cat(weights)).to(ct);
     const auto x2 = x.reshape({-1, x.size(-1)}).to(ct);
     torch::Tensor out;
     if (params.size() > n) {
@@ -62,8 +68,10 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     ctx->saved_data["param_dtype"] = static_cast<int64_t>(weights[0].scalar_type());
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["split"] = split;
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = joint.size(0);
+    if (!split) return {out.view(out_sizes)};
     return out.view(out_sizes).split_with_sizes(sizes, -1);
   }
 
@@ -80,11 +88,19 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     size_t biases = 0;
     for (const auto b : has_bias) biases += b != 0;
 
-    // dx, the weights, the biases, and nothing for has_bias and compute_dtype.
-    torch::autograd::variable_list out(1 + n + biases + 2);
+    // dx, the weights, the biases, and nothing for has_bias, compute_dtype and split.
+    torch::autograd::variable_list out(1 + n + biases + 3);
     std::vector<int64_t> offset(n, 0), bias_slot(n, 0);
     for (size_t i = 1; i < n; ++i) offset[i] = offset[i - 1] + sizes[i - 1];
     for (size_t i = 0, b = 1 + n; i < n; ++i) bias_slot[i] = has_bias[i] ? b++ : 0;
+    if (!ctx->saved_data["split"].toBool()) {  // the joint output (no biases)
+      if (!grads[0].defined()) return out;
+      const auto g = grads[0].reshape({-1, joint.size(0)}).to(x2.scalar_type());
+      const auto dw = WeightGradient(g, x2, param_dtype);
+      for (size_t i = 0; i < n; ++i) out[1 + i] = dw.narrow(0, offset[i], sizes[i]);
+      out[0] = at::mm(g, joint).view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
+      return out;
+    }
     // dx sums the parts' products, the narrowest first: it writes dx, and the wider ones,
     // bound by their arithmetic, hide the read of dx that accumulating costs (the gate's
     // 192-wide part accumulating last took 43 us, memory-bound).
@@ -109,13 +125,6 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
   }
 };
 
-torch::Tensor JointWeight(const std::vector<torch::nn::Linear>& layers) {
-  TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
-  std::vector<torch::Tensor> weights;
-  for (const auto& layer : layers) weights.push_back(layer->weight);
-  return torch::cat(weights);
-}
-
 }  // namespace
 
 torch::ScalarType LinearComputeType(const torch::Tensor& x) {
@@ -138,15 +147,20 @@ torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x
 torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight) {
   if (!TakesOwnNode(x, weight)) return at::linear(x, weight);
   return SharedInputLinearFn::apply(x, at::TensorList(weight), std::vector<int64_t>{0},
-                                    static_cast<int64_t>(LinearComputeType(x)))[0];
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true)[0];
 }
 
 torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
                                      const std::vector<torch::nn::Linear>& layers) {
+  TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
+  std::vector<torch::Tensor> weights;
   for (const auto& layer : layers) {
     TORCH_CHECK(!layer->bias.defined(), "SharedInputLinearJoint takes layers without a bias");
+    weights.push_back(layer->weight);
   }
-  return ApplyWeight(x, JointWeight(layers));
+  if (!TakesOwnNode(x, weights[0])) return at::linear(x, torch::cat(weights));
+  return SharedInputLinearFn::apply(x, at::TensorList(weights), std::vector<int64_t>(weights.size(), 0),
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/false)[0];
 }
 
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
@@ -163,7 +177,7 @@ std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
   }
   // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
   return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias,
-                                    static_cast<int64_t>(LinearComputeType(x)));
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true);
 }
 
 }  // namespace nsad

@@ -16,6 +16,7 @@
 #include <ATen/autocast_mode.h>
 
 #include "model/shared_input_linear.h"
+#include "model/weight_copies.h"
 #include "nsa/attention.h"
 #include "nsa/dispatch.h"
 
@@ -64,10 +65,19 @@ class NsaBlockImpl : public torch::nn::Module {
     auto attn_out = attn->forward(normed);
     if (tap) attn_out = tap(layer, "attention", attn_out);
     std::tie(x, normed) = nsa::AddRmsNorm(backend_, x, attn_out, mlp_norm->weight, mlp_norm->eps());
-    const auto gate_up = SharedInputLinearJoint(normed, {mlp_gate, mlp_up});
+    const auto gate_up = SharedInputLinearJoint(normed, MlpInputs());
     auto mlp_out = ApplyLinear(mlp_down, nsa::SwiGlu(backend_, gate_up));
     if (tap) mlp_out = tap(layer, "mlp", mlp_out);
     return {x, mlp_out};
+  }
+
+  // The weights of the block's GEMMs, as their operands stack them (WeightCopies' groups).
+  void AddGemmWeights(std::vector<std::vector<torch::Tensor>>& groups) const {
+    for (auto& group : attn->GemmWeights()) groups.push_back(std::move(group));
+    std::vector<torch::Tensor> inputs;
+    for (const auto& layer : MlpInputs()) inputs.push_back(layer->weight);
+    groups.push_back(std::move(inputs));
+    groups.push_back({mlp_down->weight});
   }
 
   RmsNorm attn_norm{nullptr}, mlp_norm{nullptr};
@@ -75,6 +85,9 @@ class NsaBlockImpl : public torch::nn::Module {
   torch::nn::Linear mlp_gate{nullptr}, mlp_up{nullptr}, mlp_down{nullptr};
 
  private:
+  // The SwiGLU's two input layers, one GEMM: [gate | up].
+  std::vector<torch::nn::Linear> MlpInputs() const { return {mlp_gate, mlp_up}; }
+
   AttentionBackend backend_;  // also picks the fused SwiGLU (nsa/dispatch.h)
 };
 TORCH_MODULE(NsaBlock);
@@ -169,8 +182,27 @@ NsaTransformerImpl::NsaTransformerImpl(const ModelConfig& config, AttentionBacke
   final_norm_ = register_module("final_norm", MakeNorm(config));
 }
 
+std::optional<at::ScalarType> NsaTransformerImpl::WeightCopyType() const {
+  const auto& w = embed_->weight;
+  if (!weight_copies_on_ || !w.is_cuda() || w.scalar_type() != torch::kFloat ||
+      !at::autocast::is_autocast_enabled(at::kCUDA)) {
+    return std::nullopt;
+  }
+  const auto type = at::autocast::get_autocast_dtype(at::kCUDA);
+  if (type != at::kBFloat16 && type != at::kHalf) return std::nullopt;
+  return type;
+}
+
 torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(tokens.dim() == 2, "tokens must be [B,T], got ", tokens.sizes());
+  std::optional<UseWeightCopies> use_copies;
+  if (const auto type = WeightCopyType()) {
+    std::vector<std::vector<torch::Tensor>> groups;
+    for (const auto& block : *blocks_) block->as<NsaBlockImpl>()->AddGemmWeights(groups);
+    groups.push_back({embed_->weight});  // the tied LM head
+    weight_copies_.Refresh(groups, *type);
+    use_copies.emplace(&weight_copies_);
+  }
   auto x = embed_->forward(tokens);
   torch::Tensor pending;  // the last block's MLP output, added together with the next norm
   int layer = 0;

@@ -6,10 +6,12 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "nsad/config.h"
 #include "model/rms_norm.h"
+#include "model/weight_copies.h"
 #include "nsad/engine.h"
 
 namespace nsad {
@@ -47,6 +49,11 @@ class NsaTransformerImpl : public torch::nn::Module {
   // there instead (less memory, about one more forward of compute). Off by default.
   void set_activation_checkpointing(bool on) { activation_checkpointing_ = on; }
 
+  // On CUDA under 16-bit autocast, forward() first writes a 16-bit copy of every GEMM weight
+  // in one multi-tensor copy and the GEMMs read those (model/weight_copies.h) instead of
+  // each casting its own; same values. On by default; off only to compare (tests).
+  void set_weight_copies(bool on) { weight_copies_on_ = on; }
+
  private:
   ModelConfig config_;
   AttentionBackend backend_;
@@ -54,8 +61,13 @@ class NsaTransformerImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks_{nullptr};  // NsaBlock (transformer.cc)
   RmsNorm final_norm_{nullptr};
   // No separate LM head matrix: logits = final_norm(x) @ embed_.weight^T (tied, GPT-2 style).
+  // The dtype of the weight copies this forward reads, if it reads any.
+  std::optional<at::ScalarType> WeightCopyType() const;
+
   Tap tap_;
   bool activation_checkpointing_ = false;
+  bool weight_copies_on_ = true;
+  WeightCopies weight_copies_;
 };
 TORCH_MODULE(NsaTransformer);
 

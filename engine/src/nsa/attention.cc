@@ -132,9 +132,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& g = geometry_;
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
-  // The three layers that read x (q, kv and the gate MLP's first) as one GEMM.
-  const auto projected = SharedInputLinear(
-      x, {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))});
+  const auto projected = SharedInputLinear(x, InputProjections());
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
   // contiguous parts by one call, which also rotates the selected and window keys; its
   // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
@@ -159,6 +157,16 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   last_gates_ = gates.detach();
   last_block_idx_ = mixed.block_idx.detach();
   return ApplyLinear(o_proj_, mixed.out.reshape({B, T, H * D}));
+}
+
+std::vector<torch::nn::Linear> NsaAttentionImpl::InputProjections() const {
+  return {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))};
+}
+
+std::vector<std::vector<torch::Tensor>> NsaAttentionImpl::GemmWeights() const {
+  std::vector<torch::Tensor> projections;
+  for (const auto& layer : InputProjections()) projections.push_back(layer->weight);
+  return {projections, {gate_mlp_->ptr<torch::nn::LinearImpl>(2)->weight}, {o_proj_->weight}};
 }
 
 torch::Tensor NsaAttentionImpl::last_stats_tensor() const {

@@ -39,7 +39,14 @@ class NsaAttentionImpl : public torch::nn::Module {
   // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics).
   const torch::Tensor& last_gates() const { return last_gates_; }
 
+  // The weights of the layer's GEMMs (through SharedInputLinear), each GEMM's as its operand
+  // stacks them: {q, kv, the gate MLP's first layer}, {the gate MLP's second} and {the output
+  // projection}. What the model's 16-bit weight copies hold (model/weight_copies.h).
+  std::vector<std::vector<torch::Tensor>> GemmWeights() const;
+
  private:
+  // The three layers that read the layer input, as one GEMM: q, kv, the gate MLP's first.
+  std::vector<torch::nn::Linear> InputProjections() const;
   // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
   torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
                          const torch::nn::Sequential& mlp) const;

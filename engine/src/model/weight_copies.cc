@@ -1,0 +1,89 @@
+#include "model/weight_copies.h"
+
+#include <ATen/ops/_foreach_copy.h>
+
+#include <atomic>
+
+namespace nsad {
+namespace {
+
+std::atomic<int64_t> joints_served{0};
+thread_local const WeightCopies* current_copies = nullptr;
+
+}  // namespace
+
+bool WeightCopies::Fits(const std::vector<std::vector<torch::Tensor>>& groups, at::ScalarType dtype) const {
+  if (!flat_.defined() || flat_.scalar_type() != dtype) return false;
+  size_t k = 0;
+  for (const auto& group : groups) {
+    for (const auto& w : group) {
+      if (k >= sources_.size()) return false;
+      const auto& source = sources_[k++];
+      const auto it = slots_.find(w.unsafeGetTensorImpl());
+      if (source.unsafeGetTensorImpl() != w.unsafeGetTensorImpl() || it == slots_.end() ||
+          it->second.data != w.data_ptr() || source.sizes() != w.sizes() || w.device() != flat_.device()) {
+        return false;
+      }
+    }
+  }
+  return k == sources_.size();
+}
+
+void WeightCopies::Build(const std::vector<std::vector<torch::Tensor>>& groups, at::ScalarType dtype) {
+  flat_ = torch::Tensor();  // the old buffer goes before the new one is allocated
+  sources_.clear();
+  copies_.clear();
+  slots_.clear();
+  int64_t total = 0;
+  for (const auto& group : groups) {
+    for (const auto& w : group) {
+      TORCH_CHECK(w.dim() == 2, "WeightCopies holds weight matrices, got a tensor of shape ", w.sizes());
+      total += w.numel();
+    }
+  }
+  if (total == 0) return;
+  flat_ = torch::empty({total}, groups.front().front().options().dtype(dtype).requires_grad(false));
+  int64_t offset = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t m = 0; m < groups[g].size(); ++m) {
+      const auto& w = groups[g][m];
+      const bool added = slots_.emplace(w.unsafeGetTensorImpl(), Slot{g, m, offset, w.data_ptr()}).second;
+      TORCH_CHECK(added, "WeightCopies: a weight appears in two groups");
+      sources_.push_back(w);
+      copies_.push_back(flat_.narrow(0, offset, w.numel()).view(w.sizes()));
+      offset += w.numel();
+    }
+  }
+}
+
+void WeightCopies::Refresh(const std::vector<std::vector<torch::Tensor>>& groups, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  if (!Fits(groups, dtype)) Build(groups, dtype);
+  if (!copies_.empty()) at::_foreach_copy_(copies_, sources_);
+}
+
+torch::Tensor WeightCopies::Joint(at::TensorList weights, at::ScalarType dtype) const {
+  if (!flat_.defined() || flat_.scalar_type() != dtype || weights.empty()) return {};
+  const Slot* first = nullptr;
+  int64_t rows = 0, numel = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& w = weights[i];
+    const auto it = slots_.find(w.unsafeGetTensorImpl());
+    if (it == slots_.end() || it->second.data != w.data_ptr()) return {};
+    const Slot& slot = it->second;
+    if (i == 0) first = &slot;
+    if (slot.group != first->group || slot.member != first->member + i || w.size(1) != weights[0].size(1)) return {};
+    rows += w.size(0);
+    numel += w.numel();
+  }
+  joints_served.fetch_add(1, std::memory_order_relaxed);
+  return flat_.narrow(0, first->offset, numel).view({rows, weights[0].size(1)});
+}
+
+int64_t WeightCopies::JointsServed() { return joints_served.load(std::memory_order_relaxed); }
+
+UseWeightCopies::UseWeightCopies(const WeightCopies* copies) : previous_(current_copies) { current_copies = copies; }
+UseWeightCopies::~UseWeightCopies() { current_copies = previous_; }
+const WeightCopies* UseWeightCopies::Current() { return current_copies; }
+
+}  // namespace nsad
