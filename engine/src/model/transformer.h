@@ -55,15 +55,15 @@ class NsaTransformerImpl : public torch::nn::Module {
   void set_weight_copies(bool on) { weight_copies_on_ = on; }
 
  private:
+  // The dtype of the weight copies this forward reads, if it reads any.
+  std::optional<at::ScalarType> WeightCopyType() const;
+
   ModelConfig config_;
   AttentionBackend backend_;
   torch::nn::Embedding embed_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};  // NsaBlock (transformer.cc)
   RmsNorm final_norm_{nullptr};
   // No separate LM head matrix: logits = final_norm(x) @ embed_.weight^T (tied, GPT-2 style).
-  // The dtype of the weight copies this forward reads, if it reads any.
-  std::optional<at::ScalarType> WeightCopyType() const;
-
   Tap tap_;
   bool activation_checkpointing_ = false;
   bool weight_copies_on_ = true;

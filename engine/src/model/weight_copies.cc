@@ -35,14 +35,16 @@ void WeightCopies::Build(const std::vector<std::vector<torch::Tensor>>& groups, 
   copies_.clear();
   slots_.clear();
   int64_t total = 0;
+  torch::TensorOptions options;
   for (const auto& group : groups) {
     for (const auto& w : group) {
       TORCH_CHECK(w.dim() == 2, "WeightCopies holds weight matrices, got a tensor of shape ", w.sizes());
       total += w.numel();
+      options = w.options();
     }
   }
   if (total == 0) return;
-  flat_ = torch::empty({total}, groups.front().front().options().dtype(dtype).requires_grad(false));
+  flat_ = torch::empty({total}, options.dtype(dtype).requires_grad(false));
   int64_t offset = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t m = 0; m < groups[g].size(); ++m) {
