@@ -148,8 +148,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gate_logits =
-      ApplyLinear(torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(2)), torch::silu(projected[2]));
+  const auto gate_logits = ApplyLinear(GateOutput(), torch::silu(projected[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
@@ -163,10 +162,14 @@ std::vector<torch::nn::Linear> NsaAttentionImpl::InputProjections() const {
   return {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))};
 }
 
+torch::nn::Linear NsaAttentionImpl::GateOutput() const {
+  return torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(2));
+}
+
 std::vector<std::vector<torch::Tensor>> NsaAttentionImpl::GemmWeights() const {
   std::vector<torch::Tensor> projections;
   for (const auto& layer : InputProjections()) projections.push_back(layer->weight);
-  return {projections, {gate_mlp_->ptr<torch::nn::LinearImpl>(2)->weight}, {o_proj_->weight}};
+  return {projections, {GateOutput()->weight}, {o_proj_->weight}};
 }
 
 torch::Tensor NsaAttentionImpl::last_stats_tensor() const {

@@ -47,6 +47,8 @@ class NsaAttentionImpl : public torch::nn::Module {
  private:
   // The three layers that read the layer input, as one GEMM: q, kv, the gate MLP's first.
   std::vector<torch::nn::Linear> InputProjections() const;
+  // The gate MLP's second layer (hidden -> 3 H gate logits).
+  torch::nn::Linear GateOutput() const;
   // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
   torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
                          const torch::nn::Sequential& mlp) const;
