@@ -57,18 +57,8 @@ if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
 fi
 
 step "daemon: m7c 125M on the GPU through nsactl"
-state=/tmp/nsad-gpu-state; rm -rf "$state"; mkdir -p "$state/data"
-python3 - "$state/data/random_train_000000.bin" <<'PY'
-import struct, sys, random
-n = 4_000_000; random.seed(0)
-with open(sys.argv[1], "wb") as f:
-    f.write(struct.pack("<256i", 20240520, 1, n, *([0] * 253)))
-    f.write(struct.pack("<%dH" % n, *(random.randrange(50257) for _ in range(n))))
-PY
-sed -e "s#data/fineweb10B/fineweb_train_\*.bin#$state/data/random_train_*.bin#" \
-    -e 's#"val_path": "data/fineweb10B/fineweb_val_\*.bin"#"val_fraction": 0.01#' \
-    -e "s#\"max_steps\": 50000#\"max_steps\": ${M7C_STEPS:-30}#" -e 's#"eval_every": 500#"eval_every": 0#' \
-    configs/m7c_125m.json > "$state/m7c.json"
+state=/tmp/nsad-gpu-state; rm -rf "$state"
+scripts/m7c_random_config.sh "$state" "${M7C_STEPS:-30}"
 "$build/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
 daemon=$!
 for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done

@@ -67,6 +67,7 @@ TrainConfig FromProto(const nsa::v1::RunConfig& p) {
   NSAD_TAKE(p, c, seq_len);
   NSAD_TAKE(p, c, batch_size);
   NSAD_TAKE(p, c, grad_accum);
+  NSAD_TAKE(p, c, world_size);
   NSAD_TAKE(p, c, max_steps);
   NSAD_TAKE(p, c, seed);
   NSAD_TAKE(p, c, device);
@@ -130,6 +131,7 @@ nsa::v1::RunConfig ToProto(const TrainConfig& c) {
   p.set_seq_len(c.seq_len);
   p.set_batch_size(c.batch_size);
   p.set_grad_accum(c.grad_accum);
+  p.set_world_size(c.world_size);
   p.set_max_steps(c.max_steps);
   p.set_seed(c.seed);
   p.set_device(c.device);

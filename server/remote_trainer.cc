@@ -1,14 +1,19 @@
 #include "remote_trainer.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "config_mapping.h"
 
@@ -122,12 +127,24 @@ std::string WorkerProcess::DescribeExit() {
 }
 
 worker::Response WorkerProcess::Call(const worker::Request& request) {
+  Send(request);
+  return Receive();
+}
+
+void WorkerProcess::Send(const worker::Request& request) {
+  if (pid_ <= 0) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
+  if (!channel_->Write(request)) throw std::runtime_error(DescribeExit());
+}
+
+worker::Response WorkerProcess::Receive() {
   if (pid_ <= 0) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
   worker::Response response;
-  if (!channel_->Write(request) || !channel_->Read(&response)) {
-    throw std::runtime_error(DescribeExit());
-  }
+  if (!channel_->Read(&response)) throw std::runtime_error(DescribeExit());
   return response;
+}
+
+void WorkerProcess::Kill() {
+  if (pid_ > 0) ::kill(pid_, SIGKILL);
 }
 
 RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::string& log_path) {
@@ -139,34 +156,115 @@ RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::str
   RuntimeCapabilities caps;
   caps.cuda_devices = response.capabilities().cuda_devices();
   caps.cuda_kernels = response.capabilities().cuda_kernels();
+  caps.nccl = response.capabilities().nccl();
   return caps;
 }
 
 namespace {
 
-class RemoteTrainer final : public Trainer {
+std::string WorkerLog(const std::string& run_dir, int rank) {
+  return run_dir + (rank == 0 ? "/worker.log" : "/worker-" + std::to_string(rank) + ".log");
+}
+
+// The run's workers: one, or one per GPU of a data-parallel run. Every request goes to all
+// of them before any reply is awaited, since a data-parallel step only ends once every
+// worker has joined its collectives. For the same reason a worker that dies or answers with
+// an error ends the call at once, and the workers still busy are killed: they would wait for
+// it until NCCL's timeout.
+class WorkerGroup {
  public:
-  RemoteTrainer(const std::string& worker_binary, const std::string& log_path,
-                const TrainConfig& config)
-      : config_(config), process_(worker_binary, log_path) {
-    worker::Request request;
-    *request.mutable_create()->mutable_config() = ToProto(config);
-    request.mutable_create()->set_allow_fault_injection(config.allow_fault_injection);
-    const auto response = process_.Call(request);
-    if (response.has_error()) ThrowWorkerError(response.error());
-    if (!response.has_created()) throw std::runtime_error("nsad-worker: bad create reply");
-    device_ = response.created().device();
-    backend_ = FromProto(response.created().attention_backend());
-    parameter_count_ = response.created().parameter_count();
+  WorkerGroup(const std::string& worker_binary, const std::string& run_dir, int size) {
+    for (int rank = 0; rank < size; ++rank) {
+      workers_.push_back(std::make_unique<WorkerProcess>(worker_binary, WorkerLog(run_dir, rank)));
+    }
   }
 
+  int size() const { return static_cast<int>(workers_.size()); }
+
+  // One request per worker (rank order); returns the replies in rank order. Throws what
+  // the lowest-ranked failing worker threw (its error reply, or its exit).
+  std::vector<worker::Response> Call(const std::vector<worker::Request>& requests) {
+    for (size_t r = 0; r < workers_.size(); ++r) workers_[r]->Send(requests[r]);
+    std::vector<worker::Response> replies(workers_.size());
+    std::vector<bool> pending(workers_.size(), true);
+    size_t left = workers_.size();
+    while (left > 0) {
+      std::vector<pollfd> fds;
+      std::vector<size_t> ranks;
+      for (size_t r = 0; r < workers_.size(); ++r) {
+        if (!pending[r]) continue;
+        fds.push_back({workers_[r]->readable(), POLLIN, 0});
+        ranks.push_back(r);
+      }
+      if (::poll(fds.data(), fds.size(), -1) < 0) {
+        if (errno == EINTR) continue;
+        throw std::runtime_error(std::string("poll on nsad-worker pipes: ") + std::strerror(errno));
+      }
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        const size_t r = ranks[i];
+        pending[r] = false;
+        --left;
+        try {
+          replies[r] = workers_[r]->Receive();
+        } catch (const std::exception&) {
+          KillPending(pending);
+          throw;
+        }
+        if (replies[r].has_error()) {
+          KillPending(pending);
+          ThrowWorkerError(replies[r].error());
+        }
+      }
+    }
+    return replies;
+  }
+
+  std::vector<worker::Response> CallAll(const worker::Request& request) {
+    return Call(std::vector<worker::Request>(workers_.size(), request));
+  }
+
+ private:
+  void KillPending(const std::vector<bool>& pending) {
+    for (size_t r = 0; r < workers_.size(); ++r) {
+      if (pending[r]) workers_[r]->Kill();
+    }
+  }
+
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+};
+
+class RemoteTrainer final : public Trainer {
+ public:
+  RemoteTrainer(const std::string& worker_binary, const std::string& run_dir,
+                const TrainConfig& config)
+      : config_(config), workers_(worker_binary, run_dir, config.world_size) {
+    std::vector<worker::Request> requests(workers_.size());
+    const std::string rendezvous = run_dir + "/rendezvous";
+    if (workers_.size() > 1) std::filesystem::remove(rendezvous);  // a stale one would mislead
+    for (int rank = 0; rank < workers_.size(); ++rank) {
+      auto* create = requests[rank].mutable_create();
+      *create->mutable_config() = ToProto(config);
+      create->set_allow_fault_injection(config.allow_fault_injection);
+      create->set_rank(rank);
+      if (workers_.size() > 1) create->set_rendezvous(rendezvous);
+    }
+    const auto replies = workers_.Call(requests);
+    for (const auto& reply : replies) {
+      if (!reply.has_created()) throw std::runtime_error("nsad-worker: bad create reply");
+      device_ += (device_.empty() ? "" : ",") + reply.created().device();
+    }
+    backend_ = FromProto(replies[0].created().attention_backend());
+    parameter_count_ = replies[0].created().parameter_count();
+  }
+
+  // Rank 0 reports: after the all-reduce every worker holds the same loss and weights.
   StepMetrics Step() override {
     worker::Request request;
     request.mutable_step();
-    const auto response = process_.Call(request);
-    if (response.has_error()) ThrowWorkerError(response.error());
-    if (!response.has_stepped()) throw std::runtime_error("nsad-worker: bad step reply");
-    const auto& s = response.stepped();
+    const auto reply = workers_.CallAll(request)[0];
+    if (!reply.has_stepped()) throw std::runtime_error("nsad-worker: bad step reply");
+    const auto& s = reply.stepped();
     StepMetrics m;
     m.step = step_ = s.step();
     m.loss = s.loss();
@@ -188,9 +286,7 @@ class RemoteTrainer final : public Trainer {
   double Evaluate() override {
     worker::Request request;
     request.mutable_evaluate();
-    const auto response = process_.Call(request);
-    if (response.has_error()) ThrowWorkerError(response.error());
-    return response.evaluated().loss();
+    return workers_.CallAll(request)[0].evaluated().loss();
   }
 
   int64_t step() const override { return step_; }
@@ -203,8 +299,8 @@ class RemoteTrainer final : public Trainer {
 
  private:
   TrainConfig config_;
-  WorkerProcess process_;
-  std::string device_;
+  WorkerGroup workers_;
+  std::string device_;  // every worker's, in rank order: "cuda:0,cuda:1"
   AttentionBackend backend_ = AttentionBackend::kReference;
   int64_t parameter_count_ = 0;
   int64_t step_ = 0;
@@ -214,9 +310,9 @@ class RemoteTrainer final : public Trainer {
 }  // namespace
 
 std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
-                                             const std::string& log_path,
+                                             const std::string& run_dir,
                                              const TrainConfig& config) {
-  return std::make_unique<RemoteTrainer>(worker_binary, log_path, config);
+  return std::make_unique<RemoteTrainer>(worker_binary, run_dir, config);
 }
 
 }  // namespace nsad::server

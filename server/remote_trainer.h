@@ -1,6 +1,7 @@
-// nsad::Trainer implemented by an nsad-worker process: the daemon's run threads drive it
+// nsad::Trainer implemented by nsad-worker processes: the daemon's run threads drive it
 // exactly like an in-process trainer, while torch, CUDA and their failure modes stay in the
-// worker. A worker that dies turns into an exception on the run, never into a daemon crash.
+// workers. A run has one worker, or one per GPU when it is data parallel (world_size > 1).
+// A worker that dies turns into an exception on the run, never into a daemon crash.
 #pragma once
 
 #include <sys/types.h>
@@ -25,6 +26,12 @@ class WorkerProcess {
   // Sends a request and waits for its response. Throws std::runtime_error naming the exit
   // status or signal when the worker is gone.
   nsa::worker::v1::Response Call(const nsa::worker::v1::Request& request);
+  // Call in two halves, for driving several workers at once: Receive blocks until the
+  // response arrives (readable() says when it has begun to).
+  void Send(const nsa::worker::v1::Request& request);
+  nsa::worker::v1::Response Receive();
+  int readable() const { return from_worker_; }  // the fd to poll for the response
+  void Kill();  // SIGKILL; the destructor reaps it
   pid_t pid() const { return pid_; }
 
  private:
@@ -40,10 +47,11 @@ class WorkerProcess {
 // Starts a worker just to ask what this machine offers (CUDA devices, kernels).
 RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::string& log_path);
 
-// Creates a trainer in a fresh worker; throws ConfigError / std::runtime_error like
-// Trainer::Create.
+// Creates a trainer in fresh workers: config.world_size of them, with their logs in run_dir
+// (worker.log for rank 0, worker-<rank>.log for the others) and their rendezvous file there
+// too. Throws ConfigError / std::runtime_error like Trainer::Create.
 std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
-                                             const std::string& log_path,
+                                             const std::string& run_dir,
                                              const TrainConfig& config);
 
 }  // namespace nsad::server

@@ -28,7 +28,7 @@ ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps) {
 
 TrainerFactory WorkerTrainerFactory(const std::string& worker_binary) {
   return [worker_binary](const std::string& run_dir, const TrainConfig& config) {
-    return CreateRemoteTrainer(worker_binary, run_dir + "/worker.log", config);
+    return CreateRemoteTrainer(worker_binary, run_dir, config);
   };
 }
 

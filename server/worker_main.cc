@@ -1,4 +1,5 @@
-// nsad-worker: hosts one run's engine Trainer (LibTorch, CUDA) for the daemon, speaking
+// nsad-worker: hosts one run's engine Trainer (LibTorch, CUDA) for the daemon (or one rank
+// of a data-parallel run's, on its own GPU), speaking
 // nsa.worker.v1 on stdin/stdout (see proto/nsa/v1/worker.proto). Exits when stdin closes.
 // Logs go to stderr, which the daemon sends to the run's worker.log.
 #include <signal.h>
@@ -51,6 +52,7 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
         const auto caps = nsad::ProbeRuntime();
         response.mutable_capabilities()->set_cuda_devices(caps.cuda_devices);
         response.mutable_capabilities()->set_cuda_kernels(caps.cuda_kernels);
+        response.mutable_capabilities()->set_nccl(caps.nccl);
         break;
       }
       case worker::Request::kCreate: {
@@ -60,7 +62,10 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
         }
         nsad::TrainConfig config = nsad::server::FromProto(request.create().config());
         config.allow_fault_injection = request.create().allow_fault_injection();
-        trainer = nsad::Trainer::Create(config);
+        nsad::WorkerPlace place;
+        place.rank = request.create().rank();
+        place.rendezvous = request.create().rendezvous();
+        trainer = nsad::Trainer::Create(config, place);
         auto* created = response.mutable_created();
         created->set_device(trainer->device());
         created->set_attention_backend(ToProto(trainer->attention_backend()));

@@ -199,6 +199,7 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
   c.Positive("seq_len", config.seq_len);
   c.Positive("batch_size", config.batch_size);
   c.Positive("grad_accum", config.grad_accum);
+  c.Positive("world_size", config.world_size);
   c.Positive("max_steps", config.max_steps);
   c.Positive("log_every", config.log_every);
   c.NonNegative("eval_every", config.eval_every);
@@ -242,6 +243,21 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
       return plan;
     }
   }
+  if (config.world_size > 1) {
+    // One worker per GPU on cuda:0 .. cuda:world_size-1: the device cannot be chosen.
+    const std::string workers = std::to_string(config.world_size) + " workers ";
+    if (d != "auto" && d != "cuda") {
+      plan.errors.push_back({"world_size", workers + "go on cuda:0, cuda:1, ..., so device must be "
+                                                     "auto or cuda (got \"" + d + "\")"});
+    } else if (caps.cuda_devices < config.world_size) {
+      plan.errors.push_back({"world_size", workers + "need one CUDA device each, but " +
+                                               std::to_string(caps.cuda_devices) +
+                                               " CUDA device(s) are visible"});
+    } else if (!caps.nccl) {
+      plan.errors.push_back({"world_size", workers + "need NCCL, which this build lacks"});
+    }
+    if (!plan.errors.empty()) return plan;
+  }
   const bool on_gpu = plan.device != "cpu";
   switch (config.attention_backend) {
     case AttentionBackend::kAuto:
@@ -261,6 +277,12 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
                                "the NSA CUDA kernels are not available in this build or for this GPU"});
       }
       break;
+  }
+  if (config.cuda_graphs && config.world_size > 1) {
+    // The all-reduce would sit inside the captured step: not supported yet.
+    plan.errors.push_back({"cuda_graphs", "not available with world_size > 1 (got world_size " +
+                                              std::to_string(config.world_size) +
+                                              "): data-parallel steps run eagerly"});
   }
   if (config.cuda_graphs && plan.errors.empty() && plan.backend != AttentionBackend::kCuda) {
     plan.errors.push_back({"cuda_graphs", std::string("needs a CUDA device and the CUDA attention backend, but "

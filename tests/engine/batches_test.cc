@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,39 @@ TEST_F(TrainerTest, BatchesReachTheDeviceIntactThroughThePinnedRing) {
   ASSERT_EQ(val_gpu.size(), 9u);
   for (size_t i = 0; i < val_gpu.size(); ++i) {
     EXPECT_TRUE(torch::equal(val_gpu[i].cpu(), val_cpu[i])) << "validation batch " << i;
+  }
+}
+
+// Data parallel: each worker keeps its rows of the global batch, so the workers' batches
+// side by side are the single worker's (world_size x batch_size rows), step after step,
+// for training and for validation; the stream position is the same on every worker.
+TEST_F(TrainerTest, DataParallelWorkersReadTheSingleWorkersBatchesBetweenThem) {
+  TrainConfig single = Tiny();
+  single.batch_size = 6;
+  TrainConfig parallel = single;
+  parallel.batch_size = 2;
+  parallel.world_size = 3;
+  const torch::Device cpu(torch::kCPU);
+  BatchSource whole(single, cpu);
+  std::vector<std::unique_ptr<BatchSource>> ranks;
+  for (int r = 0; r < parallel.world_size; ++r) {
+    ranks.push_back(std::make_unique<BatchSource>(parallel, cpu, r));
+  }
+  for (int step = 1; step <= 7; ++step) {
+    std::vector<torch::Tensor> rows;
+    for (auto& rank : ranks) rows.push_back(rank->NextTrain(step));
+    for (const auto& r : rows) ASSERT_EQ(r.size(0), parallel.batch_size);
+    EXPECT_TRUE(torch::equal(torch::cat(rows), whole.NextTrain(step))) << "step " << step;
+    for (auto& rank : ranks) {
+      EXPECT_EQ(rank->train_loader().SavePosition(), whole.train_loader().SavePosition());
+    }
+  }
+  const auto& val = whole.ValBatches();
+  ASSERT_FALSE(val.empty());
+  for (size_t i = 0; i < val.size(); ++i) {
+    std::vector<torch::Tensor> rows;
+    for (auto& rank : ranks) rows.push_back(rank->ValBatches().at(i));
+    EXPECT_TRUE(torch::equal(torch::cat(rows), val[i])) << "validation batch " << i;
   }
 }
 

@@ -48,6 +48,53 @@ TEST_F(TrainerTest, BackendResolvesToReferenceOnCpuAndCudaIsRefused) {
   EXPECT_THROW(Trainer::Create(config), ConfigError);
 }
 
+// world_size > 1 needs one CUDA device per worker and NCCL, a device the workers can be
+// spread over, and eager steps; each refusal names the field.
+TEST_F(TrainerTest, DataParallelRunsArePlannedOnlyWhereTheyCanRun) {
+  TrainConfig config = Tiny();
+  config.world_size = 0;
+  const auto errors = ValidateConfig(config);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].field, "world_size");
+
+  config.world_size = 2;
+  config.device = "auto";
+  RuntimeCapabilities two_gpus;
+  two_gpus.cuda_devices = 2;
+  two_gpus.cuda_kernels = true;
+  two_gpus.nccl = true;
+  const auto fits = PlanRuntime(config, two_gpus);
+  EXPECT_TRUE(fits.errors.empty()) << FormatFieldErrors(fits.errors);
+  EXPECT_EQ(fits.device, "cuda:0") << "rank 0's device";
+
+  auto refused = [&](const TrainConfig& c, const RuntimeCapabilities& caps, const std::string& field,
+                     const std::string& says) {
+    const auto plan = PlanRuntime(c, caps);
+    ASSERT_EQ(plan.errors.size(), 1u) << FormatFieldErrors(plan.errors);
+    EXPECT_EQ(plan.errors[0].field, field);
+    EXPECT_NE(plan.errors[0].message.find(says), std::string::npos) << plan.errors[0].message;
+  };
+  RuntimeCapabilities one_gpu = two_gpus;
+  one_gpu.cuda_devices = 1;
+  refused(config, one_gpu, "world_size", "1 CUDA device(s) are visible");
+  RuntimeCapabilities no_nccl = two_gpus;
+  no_nccl.nccl = false;
+  refused(config, no_nccl, "world_size", "NCCL");
+  TrainConfig pinned = config;
+  pinned.device = "cuda:1";
+  refused(pinned, two_gpus, "world_size", "device must be auto or cuda");
+  TrainConfig cpu = config;
+  cpu.device = "cpu";
+  refused(cpu, two_gpus, "world_size", "device must be auto or cuda");
+  TrainConfig graphs = config;
+  graphs.cuda_graphs = true;
+  refused(graphs, two_gpus, "cuda_graphs", "world_size");
+  // And on this machine, through Create, when it lacks two GPUs.
+  if (ProbeRuntime().cuda_devices < 2) {
+    EXPECT_THROW(Trainer::Create(config, {0, (dir_ / "rendezvous").string()}), ConfigError);
+  }
+}
+
 TEST_F(TrainerTest, LearnsAndReportsSaneMetrics) {
   auto trainer = Trainer::Create(Tiny());
   EXPECT_GT(trainer->parameter_count(), 1000);

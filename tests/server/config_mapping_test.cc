@@ -77,6 +77,30 @@ TEST(ConfigText, RecordsEveryRunConfigField) {
                                << testing::PrintToString(missing);
 }
 
+// world_size shapes the trajectory (the global batch), so resuming with another one is
+// refused; a checkpoint from before the field existed was written by one worker.
+TEST(ConfigText, WorldSizeShapesTheTrajectoryAndWasOneBeforeItWasRecorded) {
+  nsa::v1::RunConfig proto;
+  ASSERT_EQ(ParseRunConfigJson(R"({"world_size": 2, "batch_size": 8})", &proto), "");
+  TrainConfig two = FromProto(proto);
+  EXPECT_EQ(two.world_size, 2);
+  EXPECT_EQ(ToProto(two).world_size(), 2);
+  TrainConfig one = two;
+  one.world_size = 1;
+  const auto differences = TrajectoryDifferences(ConfigToText(two), one);
+  ASSERT_EQ(differences.size(), 1u);
+  EXPECT_EQ(differences[0], "world_size: checkpoint 2, now 1");
+
+  std::string before_the_field;  // the record without its world_size line
+  std::istringstream lines(ConfigToText(one));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("world_size=", 0) != 0) before_the_field += line + "\n";
+  }
+  ASSERT_NE(before_the_field, ConfigToText(one));
+  EXPECT_TRUE(TrajectoryDifferences(before_the_field, one).empty());
+  EXPECT_EQ(TrajectoryDifferences(before_the_field, two).size(), 1u);
+}
+
 TEST(ConfigMapping, CheckpointAndAnomalyFieldsMapBothWays) {
   nsa::v1::RunConfig proto;
   ASSERT_EQ(ParseRunConfigJson(R"({"checkpoint_every": 50, "checkpoint_keep": 5,

@@ -279,6 +279,8 @@ TEST_F(DaemonTest, BadConfigsAreRejectedByField) {
       {"bad device", [](auto& c) { c.set_device("tpu"); }, "device"},
       {"cuda backend on cpu",
        [](auto& c) { c.set_attention_backend(nsa::v1::ATTENTION_BACKEND_CUDA); }, "attention_backend"},
+      {"no workers", [](auto& c) { c.set_world_size(0); }, "world_size"},
+      {"data parallel on the cpu", [](auto& c) { c.set_world_size(2); }, "world_size"},
   };
   for (const auto& tc : cases) {
     auto config = TinyConfig(shards_);
@@ -423,6 +425,53 @@ TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
 
 // A worker that dies (an illegal memory access, the OOM killer, ...) fails its run with
 // the reason; the daemon and the other runs carry on.
+// Data parallel over two GPUs, one worker each: the two workers with batch 2 train as one
+// worker with batch 4 does (the same global batches, gradients averaged), step for step.
+// float32 on the reference backend, so that the only difference is the order of sums.
+TEST_F(DaemonTest, TwoGpuWorkersTrainLikeOneWorkerWithTheirBatchesTogether) {
+  auto config = TinyConfig(shards_);
+  config.set_device("auto");
+  config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
+  config.set_max_steps(4);
+  config.set_eval_every(4);
+  config.set_world_size(2);
+  nsa::v1::RunInfo parallel;
+  const auto status = Start(config, &parallel);
+  if (!status.ok()) {
+    // Without two GPUs (or NCCL) the run is refused up front, naming the field.
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    ASSERT_NE(status.error_message().find("world_size"), std::string::npos) << status.error_message();
+    GTEST_SKIP() << "needs two CUDA devices: " << status.error_message();
+  }
+  config.set_world_size(1);
+  config.set_batch_size(4);
+  nsa::v1::RunInfo single;
+  ASSERT_TRUE(Start(config, &single).ok());
+  auto ended = [&](const std::string& id) {
+    WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(300));
+    return Get(id);
+  };
+  const auto p = ended(parallel.run_id()), s = ended(single.run_id());
+  ASSERT_EQ(p.state(), nsa::v1::COMPLETED) << p.message();
+  ASSERT_EQ(s.state(), nsa::v1::COMPLETED) << s.message();
+  EXPECT_EQ(p.device(), "cuda:0,cuda:1");
+  EXPECT_EQ(s.device(), "cuda:0");
+  EXPECT_EQ(p.config().world_size(), 2) << "the effective config records the workers";
+  EXPECT_EQ(p.progress().tokens_seen(), s.progress().tokens_seen());
+  EXPECT_EQ(p.progress().tokens_seen(), 4 * 4 * 64);
+  // Rows split wrongly would change the loss; gradients summed or not exchanged would
+  // change the norm; a different update would change the validation loss after it.
+  EXPECT_NEAR(p.progress().loss(), s.progress().loss(), 1e-4 * s.progress().loss());
+  EXPECT_NEAR(p.progress().grad_norm(), s.progress().grad_norm(), 1e-3 * s.progress().grad_norm());
+  EXPECT_NEAR(p.progress().val_loss(), s.progress().val_loss(), 1e-4 * s.progress().val_loss());
+  EXPECT_EQ(p.progress().val_step(), 4);
+  // Rank 0 alone writes checkpoints; each worker has its own log.
+  EXPECT_FALSE(p.progress().last_checkpoint().empty());
+  const fs::path run_dir = fs::path(p.config().checkpoint_dir()).parent_path();
+  EXPECT_TRUE(fs::exists(run_dir / "worker.log"));
+  EXPECT_TRUE(fs::exists(run_dir / "worker-1.log"));
+}
+
 TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());

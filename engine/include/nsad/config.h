@@ -77,6 +77,11 @@ struct TrainConfig {
   int seq_len = 256;
   int batch_size = 8;
   int grad_accum = 1;
+  // Data-parallel workers, one process per GPU on cuda:0 .. cuda:world_size-1, gradients
+  // averaged through NCCL (c10d). batch_size is per worker: a step trains on world_size x
+  // batch_size x grad_accum sequences, the same global batch a single worker with
+  // world_size x batch_size sequences would read, in the same order.
+  int world_size = 1;
   int64_t max_steps = 200;
   uint64_t seed = 1234;
   std::string device = "auto";
@@ -132,10 +137,11 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config);
 struct RuntimeCapabilities {
   int cuda_devices = 0;
   bool cuda_kernels = false;  // custom NSA kernels compiled in and runnable on this GPU
+  bool nccl = false;          // c10d's NCCL process group compiled in (world_size > 1)
 };
 
-// Where a config runs: "auto" resolved to a device ("cpu" or "cuda:N") and a backend
-// (never kAuto). No environment variable takes part: what runs is what the config says.
+// Where a config runs: "auto" resolved to a device ("cpu" or "cuda:N"; rank 0's with
+// world_size > 1) and a backend (never kAuto). No environment variable takes part: what runs is what the config says.
 struct RuntimePlan {
   std::string device = "cpu";
   AttentionBackend backend = AttentionBackend::kReference;

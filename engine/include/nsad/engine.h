@@ -73,12 +73,22 @@ struct GateReport {
 // Asks torch what this machine offers (CUDA devices, whether the NSA kernels can run).
 RuntimeCapabilities ProbeRuntime();
 
+// This process's place in a data-parallel run of TrainConfig::world_size workers: its rank
+// (it trains on cuda:rank; rank 0 reports and writes the checkpoints) and the path of the
+// file through which the run's workers meet (a c10d FileStore; fresh for every run, the same
+// for all its workers). Unused when world_size is 1.
+struct WorkerPlace {
+  int rank = 0;
+  std::string rendezvous;
+};
+
 class Trainer {
  public:
   // Validates the config (throws ConfigError), opens the data, builds model and optimizer,
   // and with resume_from set continues from that checkpoint (step() = its step). A missing,
   // corrupt or mismatched checkpoint is a ConfigError on field resume_from.
-  static std::unique_ptr<Trainer> Create(const TrainConfig& config);
+  // With world_size > 1 every worker calls Create with its own place, at the same time.
+  static std::unique_ptr<Trainer> Create(const TrainConfig& config, const WorkerPlace& place = {});
   virtual ~Trainer() = default;
 
   // One optimizer step (grad_accum micro-batches), then a checkpoint when one is due.
@@ -92,7 +102,7 @@ class Trainer {
   virtual GateReport gates() const = 0;
 
   virtual const TrainConfig& config() const = 0;
-  virtual std::string device() const = 0;                 // "cpu", "cuda:0"
+  virtual std::string device() const = 0;  // this worker's: "cpu", "cuda:0"
   virtual AttentionBackend attention_backend() const = 0;  // resolved: never kAuto
   virtual int64_t parameter_count() const = 0;
 };

@@ -30,7 +30,8 @@ bool ShapesTrajectory(const std::string& key) {
   for (const char* prefix : {"model.", "optim.", "data."}) {
     if (key.rfind(prefix, 0) == 0) return true;
   }
-  return key == "seq_len" || key == "batch_size" || key == "grad_accum" || key == "seed";
+  return key == "seq_len" || key == "batch_size" || key == "grad_accum" || key == "seed" ||
+         key == "world_size";
 }
 
 }  // namespace
@@ -68,6 +69,7 @@ std::string ConfigToText(const TrainConfig& c) {
   l.Add("seq_len", c.seq_len);
   l.Add("batch_size", c.batch_size);
   l.Add("grad_accum", c.grad_accum);
+  l.Add("world_size", c.world_size);
   l.Add("max_steps", c.max_steps);
   l.Add("seed", c.seed);
   l.Add("device", c.device);
@@ -114,7 +116,9 @@ std::vector<std::string> TrajectoryDifferences(const std::string& checkpoint_con
   for (const auto& [key, value] : current) {
     if (!ShapesTrajectory(key)) continue;
     const auto it = saved.find(key);
-    const std::string was = it == saved.end() ? "(absent)" : it->second;
+    // world_size came later; checkpoints written before it ran on one worker.
+    const std::string absent = key == "world_size" ? "1" : "(absent)";
+    const std::string was = it == saved.end() ? absent : it->second;
     if (was != value) differences.push_back(key + ": checkpoint " + was + ", now " + value);
   }
   return differences;

@@ -1,6 +1,7 @@
 #include "trainer/runtime.h"
 
 #include "nsad/engine.h"
+#include "trainer/data_parallel.h"
 #ifdef NSAD_HAVE_CUDA_KERNELS
 #include "nsa_cuda.h"
 #endif
@@ -13,6 +14,7 @@ RuntimeCapabilities ProbeRuntime() {
 #ifdef NSAD_HAVE_CUDA_KERNELS
   caps.cuda_kernels = caps.cuda_devices > 0 && nsa::cuda::Available();
 #endif
+  caps.nccl = DataParallel::Available();
   return caps;
 }
 

@@ -1,7 +1,8 @@
 // The training loop behind nsad::Trainer: model, AdamW, schedule, autocast, clipping,
 // non-finite guard (skip or halt, with localisation), checkpoints and exact resume,
-// throughput and gate statistics; optionally the step replayed from a CUDA graph. A step
-// reads the device once, after its update: loss, gradient norm and gate statistics.
+// throughput and gate statistics; optionally the step replayed from a CUDA graph, or data
+// parallel over several GPUs (one worker each). A step reads the device once, after its
+// update: loss, gradient norm and gate statistics.
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
@@ -17,6 +18,7 @@
 #include "trainer/batches.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_store.h"
+#include "trainer/data_parallel.h"
 #include "trainer/nonfinite.h"
 #include "trainer/optimizer.h"
 #include "trainer/runtime.h"
@@ -79,11 +81,15 @@ std::string FormatNumber(double value) {
 
 class TorchTrainer final : public Trainer {
  public:
-  explicit TorchTrainer(const TrainConfig& config)
+  TorchTrainer(const TrainConfig& config, const WorkerPlace& place)
       : config_(config),
         runtime_(ResolveRuntime(config)),
-        device_(runtime_.device),
+        device_(config.world_size > 1 ? torch::Device(torch::kCUDA, place.rank) : runtime_.device),
         injector_(config.fault_injection) {
+    if (config_.world_size > 1) {
+      parallel_ = std::make_unique<DataParallel>(place.rank, config_.world_size, place.rendezvous,
+                                                 device_);
+    }
     torch::manual_seed(config_.seed);
     model_ = NsaTransformer(config_.model, runtime_.backend);
     model_->set_activation_checkpointing(config_.activation_checkpointing);
@@ -92,11 +98,14 @@ class TorchTrainer final : public Trainer {
     for (const auto& p : model_->parameters()) parameter_count_ += p.numel();
     optimizer_ = std::make_unique<AdamW>(AdamW::ForModel(model_->parameters(), config_.optim));
     if (config_.cuda_graphs) graph_ = std::make_unique<StepGraph>(device_);
-    batches_ = std::make_unique<BatchSource>(config_, device_);
-    if (!config_.checkpoint_dir.empty()) {
+    batches_ = std::make_unique<BatchSource>(config_, device_, Rank());
+    if (!config_.checkpoint_dir.empty() && Rank() == 0) {
       checkpoint::RemoveIncompleteCheckpoints(config_.checkpoint_dir);
     }
     if (!config_.resume_from.empty()) Resume();
+    // Every worker starts from rank 0's weights, as DDP does: the same seed gives the same
+    // initialisation, but nothing else would guarantee it.
+    if (parallel_) parallel_->Broadcast(model_->parameters());
   }
 
   StepMetrics Step() override {
@@ -147,7 +156,7 @@ class TorchTrainer final : public Trainer {
     gates_.layers = host.numel() > 2 ? NsaTransformerImpl::GateStatsFromValues(
                                            host.narrow(0, 2, host.numel() - 2).view({-1, 7}))
                                      : model_->last_gate_stats();
-    if (CheckpointDue(step_)) {
+    if (CheckpointDue(step_) && Rank() == 0) {  // the weights are the same on every worker
       m.checkpoint = SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_);
       last_checkpoint_ = m.checkpoint;
     }
@@ -162,7 +171,12 @@ class TorchTrainer final : public Trainer {
     double total = 0.0;
     for (const auto& batch : batches) total += Loss(Logits(batch), batch, false).item<double>();
     model_->train();
-    return total / static_cast<double>(batches.size());
+    const double mean = total / static_cast<double>(batches.size());
+    if (!parallel_) return mean;
+    // Each worker saw its rows of the same validation batches: the mean of the means.
+    auto means = torch::full({1}, mean, torch::TensorOptions(torch::kFloat64).device(device_));
+    parallel_->Average({means});
+    return means.item<double>();
   }
 
   int64_t step() const override { return step_; }
@@ -208,8 +222,25 @@ class TorchTrainer final : public Trainer {
       const auto value = loss.detach().to(torch::kFloat64);
       loss_sum = loss_sum.defined() ? loss_sum + value : value;
     }
+    AverageOverWorkers(loss_sum);
     return ClipAndUpdate(loss_sum);
   }
+
+  // Data parallel: the gradients and the loss become their means over the workers, in
+  // place, so that every worker clips, skips or updates alike (a NaN anywhere reaches all).
+  // A parameter without a gradient gets zeros: every worker must send the same layout.
+  void AverageOverWorkers(const torch::Tensor& loss_sum) {
+    if (!parallel_) return;
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : optimizer_->parameters()) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      grads.push_back(p.grad());
+    }
+    parallel_->Average(grads);
+    parallel_->Average({loss_sum});
+  }
+
+  int Rank() const { return parallel_ ? parallel_->rank() : 0; }
 
   // Clipping and AdamW, skipped on the device when the loss or the norm is not finite.
   // Returns what the host reads after the step, in one tensor: [loss, grad_norm, the gate
@@ -247,8 +278,9 @@ class TorchTrainer final : public Trainer {
     return graph_->Replay();
   }
 
-  int64_t TokensPerStep() const {
-    return static_cast<int64_t>(config_.batch_size) * config_.seq_len * config_.grad_accum;
+  int64_t TokensPerStep() const {  // over all workers
+    return static_cast<int64_t>(config_.batch_size) * config_.seq_len * config_.grad_accum *
+           config_.world_size;
   }
 
   // The step's update is dropped; then it is skipped (policy "skip", budget left) or the
@@ -350,8 +382,9 @@ class TorchTrainer final : public Trainer {
 
   TrainConfig config_;
   Runtime runtime_;
-  torch::Device device_;
+  torch::Device device_;  // cuda:rank in a data-parallel run
   FaultInjector injector_;
+  std::unique_ptr<DataParallel> parallel_;  // world_size > 1 only
   NsaTransformer model_{nullptr};
   std::unique_ptr<AdamW> optimizer_;
   // CUDA graphs (config.cuda_graphs): the step is captured after kGraphWarmupSteps eager
@@ -371,11 +404,17 @@ class TorchTrainer final : public Trainer {
 
 }  // namespace
 
-std::unique_ptr<Trainer> Trainer::Create(const TrainConfig& config) {
+std::unique_ptr<Trainer> Trainer::Create(const TrainConfig& config, const WorkerPlace& place) {
   auto errors = ValidateConfig(config);
   if (!errors.empty()) throw ConfigError(std::move(errors));
+  if (place.rank < 0 || place.rank >= config.world_size ||
+      (config.world_size > 1 && place.rendezvous.empty())) {
+    throw std::invalid_argument("worker place: rank " + std::to_string(place.rank) +
+                                " of world_size " + std::to_string(config.world_size) +
+                                (place.rendezvous.empty() ? ", no rendezvous" : ""));
+  }
   try {
-    return std::make_unique<TorchTrainer>(config);
+    return std::make_unique<TorchTrainer>(config, place);
   } catch (const data::DataError& e) {
     throw ConfigError({{e.field(), e.message()}});
   }

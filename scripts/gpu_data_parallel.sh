@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Data parallelism on a machine with two or more GPUs, in one go (the device tool's single
+# call on nvidia-h100-x2): build (Release) -> the multi-GPU tests (two workers train as one
+# with their batches together; a dead worker fails its run) -> the daemon training m7c 125M
+# (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES workers in turn, eager
+# steps, then one worker with CUDA graphs, each run's throughput printed by nsactl.
+# Logs go to $1, else $OUT, else /tmp/nsa-gpu-dp. Carry .device-deps and .kernel-deps.
+#   scripts/gpu_data_parallel.sh [LOG_DIR]   env: M7C_STEPS=40, WORLD_SIZES="2 1"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logs=${1:-${OUT:-/tmp/nsa-gpu-dp}}
+build=${BUILD_DIR:-/tmp/build}
+mkdir -p "$logs"
+status=0
+step() { echo "== $* ($(date +%T))"; }
+
+source scripts/device_env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
+nvidia-smi topo -m | head -4
+
+step build
+targets="nsad nsad-worker nsactl trainer_test daemon_test"
+if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
+       timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
+  tail -30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
+fi
+grep -E "c10d NCCL" "$logs/configure.log"
+
+step "multi-GPU tests"
+run_test() {  # binary filter
+  timeout 300 "$build/tests/$1" --gtest_filter="$2" > "$logs/$(basename $1).log" 2>&1
+  local rc=$?
+  echo "$1: exit $rc, $(grep -E '^\[  PASSED|^\[  FAILED|SKIPPED \] [0-9]' "$logs/$(basename $1).log" | tr '\n' ' ')"
+  grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
+  [ $rc -eq 0 ] || status=1
+}
+run_test server/daemon_test "*TwoGpu*:*WorkerCrash*:*BadConfigs*"
+run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
+
+step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
+state=/tmp/nsad-gpu-dp-state; rm -rf "$state"
+scripts/m7c_random_config.sh "$state" "${M7C_STEPS:-40}"
+"$build/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
+daemon=$!
+for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
+n=0
+train() {  # label jq-free sed edits of m7c.json
+  local label=$1; shift
+  n=$((n + 1)); local id=$(printf 'run-%06d' $n)
+  sed -e "" "$@" "$state/m7c.json" > "$state/$label.json"
+  echo "-- $label ($id)"
+  timeout 300 "$build/bin/nsactl" start --config "$state/$label.json" --watch > "$logs/$label.watch.log" 2>&1
+  tail -3 "$logs/$label.watch.log"
+  "$build/bin/nsactl" status "$id" | head -8
+  "$build/bin/nsactl" throughput "$id"
+}
+for w in ${WORLD_SIZES:-2 1}; do
+  train "world$w-eager" -e 's#"cuda_graphs": true#"cuda_graphs": false#' \
+                        -e "s#\"grad_accum\": 1,#\"grad_accum\": 1, \"world_size\": $w,#"
+done
+train "world1-graph"
+kill $daemon; wait $daemon; echo "nsad exit $?"
+cp -r "$state/runs" "$logs/runs" 2>/dev/null; find "$logs/runs" -name '*.pt' -delete 2>/dev/null
+rm -rf "$logs/runs"/*/checkpoints
+echo "== done, status $status"
+exit $status
