@@ -35,7 +35,7 @@ run_test() {  # binary filter
   grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
   [ $rc -eq 0 ] || status=1
 }
-run_test server/daemon_test "*TwoGpu*:*WorkerCrash*:*BadConfigs*"
+run_test server/daemon_test "*TwoGpu*:*DeadWorker*:*WorkerCrash*:*BadConfigs*"
 run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
 
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"

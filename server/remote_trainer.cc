@@ -169,8 +169,8 @@ std::string WorkerLog(const std::string& run_dir, int rank) {
 // The run's workers: one, or one per GPU of a data-parallel run. Every request goes to all
 // of them before any reply is awaited, since a data-parallel step only ends once every
 // worker has joined its collectives. For the same reason a worker that dies or answers with
-// an error ends the call at once, and the workers still busy are killed: they would wait for
-// it until NCCL's timeout.
+// an error ends the call at once, and the workers still busy with the request are killed:
+// they would wait for it until NCCL's timeout. Idle ones exit when their stdin closes.
 class WorkerGroup {
  public:
   WorkerGroup(const std::string& worker_binary, const std::string& run_dir, int size) {
@@ -182,11 +182,19 @@ class WorkerGroup {
   int size() const { return static_cast<int>(workers_.size()); }
 
   // One request per worker (rank order); returns the replies in rank order. Throws what
-  // the lowest-ranked failing worker threw (its error reply, or its exit).
+  // the first worker to fail threw (its error reply, or its exit).
   std::vector<worker::Response> Call(const std::vector<worker::Request>& requests) {
-    for (size_t r = 0; r < workers_.size(); ++r) workers_[r]->Send(requests[r]);
+    std::vector<bool> pending(workers_.size(), false);  // sent the request, not yet replied
+    for (size_t r = 0; r < workers_.size(); ++r) {
+      try {
+        workers_[r]->Send(requests[r]);
+      } catch (const std::exception&) {
+        KillPending(pending);
+        throw;
+      }
+      pending[r] = true;
+    }
     std::vector<worker::Response> replies(workers_.size());
-    std::vector<bool> pending(workers_.size(), true);
     size_t left = workers_.size();
     while (left > 0) {
       std::vector<pollfd> fds;

@@ -472,6 +472,29 @@ TEST_F(DaemonTest, TwoGpuWorkersTrainLikeOneWorkerWithTheirBatchesTogether) {
   EXPECT_TRUE(fs::exists(run_dir / "worker-1.log"));
 }
 
+// One dead worker of a data-parallel run fails the run with its reason at once, and the
+// other worker, which would wait for it in its all-reduce, is stopped.
+TEST_F(DaemonTest, ADeadWorkerFailsItsDataParallelRunAndStopsTheOthers) {
+  auto config = TinyConfig(shards_);
+  config.set_device("auto");
+  config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);  // head_dim 16
+  config.set_world_size(2);
+  nsa::v1::RunInfo run;
+  const auto status = Start(config, &run);
+  if (!status.ok()) GTEST_SKIP() << "needs two CUDA devices: " << status.error_message();
+  ASSERT_TRUE(WaitForStep(run.run_id(), 2));
+  const auto workers = daemon_->Children();
+  ASSERT_EQ(workers.size(), 2u);
+  ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
+
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::FAILED, 60)) << Get(run.run_id()).message();
+  const auto failed = Get(run.run_id());
+  EXPECT_NE(failed.message().find("killed by signal 9"), std::string::npos) << failed.message();
+  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(30)))
+      << "the surviving worker must not linger in its all-reduce";
+  ASSERT_TRUE(daemon_->Alive());
+}
+
 TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
