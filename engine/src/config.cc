@@ -226,6 +226,36 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
   return c.Take();
 }
 
+namespace {
+
+// The model shapes the NSA CUDA kernels are built for, one FieldError per shape they are not:
+// head dims (DispatchHeadDim, kernels/launch_util.cuh), heads per group (kMaxHeadsPerGroup,
+// kernels/launchers.h), top-n (kMaxTopN, kernels/select_blocks.cu) and the selection block
+// (kKeyChunk, kernels/attention_tile.cuh). Keep them in step with those constants.
+std::vector<FieldError> CudaKernelShapeErrors(const ModelConfig& m) {
+  std::vector<FieldError> errors;
+  const std::string why = " for the NSA CUDA kernels";
+  if (m.head_dim != 64 && m.head_dim != 128) {
+    errors.push_back({"model.head_dim", "must be 64 or 128" + why + " (got " +
+                                            std::to_string(m.head_dim) + ")"});
+  }
+  if (m.n_kv_groups > 0 && m.n_heads / m.n_kv_groups > 16) {
+    errors.push_back({"model.n_heads", "at most 16 query heads per kv group" + why + " (got " +
+                                           std::to_string(m.n_heads / m.n_kv_groups) + ")"});
+  }
+  if (m.nsa.slc_top_n > 32) {
+    errors.push_back({"model.nsa.slc_top_n", "must be at most 32" + why + " (got " +
+                                                 std::to_string(m.nsa.slc_top_n) + ")"});
+  }
+  if (m.nsa.slc_block > 64) {
+    errors.push_back({"model.nsa.slc_block", "must be at most 64" + why + " (got " +
+                                                 std::to_string(m.nsa.slc_block) + ")"});
+  }
+  return errors;
+}
+
+}  // namespace
+
 RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& caps) {
   RuntimePlan plan;
   const std::string& d = config.device;
@@ -260,8 +290,10 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
   }
   const bool on_gpu = plan.device != "cpu";
   switch (config.attention_backend) {
-    case AttentionBackend::kAuto:
-      plan.backend = on_gpu && caps.cuda_kernels ? AttentionBackend::kCuda : AttentionBackend::kReference;
+    case AttentionBackend::kAuto:  // the kernels where they run and take the model's shape
+      plan.backend = on_gpu && caps.cuda_kernels && CudaKernelShapeErrors(config.model).empty()
+                         ? AttentionBackend::kCuda
+                         : AttentionBackend::kReference;
       break;
     case AttentionBackend::kReference:
       plan.backend = AttentionBackend::kReference;
@@ -275,6 +307,8 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
       } else if (!caps.cuda_kernels) {
         plan.errors.push_back({"attention_backend",
                                "the NSA CUDA kernels are not available in this build or for this GPU"});
+      } else {
+        for (auto& error : CudaKernelShapeErrors(config.model)) plan.errors.push_back(std::move(error));
       }
       break;
   }

@@ -2,6 +2,8 @@
 // learning, determinism, schedule and throughput accounting. CPU, tiny models.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <cmath>
 
 #include "../common/first_losses.h"
@@ -92,6 +94,42 @@ TEST_F(TrainerTest, DataParallelRunsArePlannedOnlyWhereTheyCanRun) {
   // And on this machine, through Create, when it lacks two GPUs.
   if (ProbeRuntime().cuda_devices < 2) {
     EXPECT_THROW(Trainer::Create(config, {0, (dir_ / "rendezvous").string()}), ConfigError);
+  }
+}
+
+// On a GPU, auto takes the CUDA kernels only for shapes they are built for; asked for
+// explicitly with another shape they are refused up front, naming the field, instead of a
+// run that fails at its first step ("NSA CUDA kernels support head_dim 64 and 128").
+TEST_F(TrainerTest, ShapesTheKernelsLackStayOnTheReference) {
+  RuntimeCapabilities gpu;
+  gpu.cuda_devices = 1;
+  gpu.cuda_kernels = true;
+  TrainConfig config = Tiny();
+  config.device = "auto";
+  config.model.head_dim = 64;
+  EXPECT_EQ(PlanRuntime(config, gpu).backend, AttentionBackend::kCuda);
+
+  struct Case {
+    std::function<void(ModelConfig&)> change;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](ModelConfig& m) { m.head_dim = 16; }, "model.head_dim"},
+      {[](ModelConfig& m) { m.head_dim = 96; }, "model.head_dim"},
+      {[](ModelConfig& m) { m.n_heads = 17 * m.n_kv_groups; }, "model.n_heads"},
+      {[](ModelConfig& m) { m.nsa.slc_top_n = 33; }, "model.nsa.slc_top_n"},
+      {[](ModelConfig& m) { m.nsa.slc_block = 128; }, "model.nsa.slc_block"},
+  };
+  for (const auto& c : cases) {
+    TrainConfig shaped = config;
+    c.change(shaped.model);
+    const auto automatic = PlanRuntime(shaped, gpu);
+    EXPECT_TRUE(automatic.errors.empty()) << c.field << ": " << FormatFieldErrors(automatic.errors);
+    EXPECT_EQ(automatic.backend, AttentionBackend::kReference) << c.field;
+    shaped.attention_backend = AttentionBackend::kCuda;
+    const auto refused = PlanRuntime(shaped, gpu);
+    ASSERT_EQ(refused.errors.size(), 1u) << c.field << ": " << FormatFieldErrors(refused.errors);
+    EXPECT_EQ(refused.errors[0].field, c.field);
   }
 }
 
