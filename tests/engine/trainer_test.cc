@@ -2,9 +2,8 @@
 // learning, determinism, schedule and throughput accounting. CPU, tiny models.
 #include <gtest/gtest.h>
 
-#include <functional>
-
 #include <cmath>
+#include <functional>
 
 #include "../common/first_losses.h"
 #include "tiny_run.h"
