@@ -195,10 +195,14 @@ void RemoveIncompleteCheckpoints(const std::string& root) {
   }
 }
 
+std::string CheckpointPath(const std::string& root, int64_t step) {
+  return root + "/" + StepDirName(step);
+}
+
 std::string CommitCheckpoint(const std::string& root, int64_t step,
                              const std::function<void(const std::string& tmp_dir)>& write_files) {
   MakeDirs(root);
-  const std::string final_dir = root + "/" + StepDirName(step);
+  const std::string final_dir = CheckpointPath(root, step);
   const std::string tmp_dir = final_dir + kTmpSuffix;
   RemoveTree(tmp_dir);  // a leftover of an interrupted attempt at this very step
   errno = 0;

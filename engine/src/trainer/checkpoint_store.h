@@ -35,6 +35,9 @@ int64_t ParseStepDirName(const std::string& name);
 // Committed checkpoints in root, oldest first; empty when root does not exist.
 std::vector<StoredCheckpoint> ListCheckpoints(const std::string& root);
 
+// <root>/step_N: where CommitCheckpoint puts the checkpoint after `step`.
+std::string CheckpointPath(const std::string& root, int64_t step);
+
 // Writes a checkpoint atomically: write_files(tmp_dir) creates the files in a fresh
 // temporary directory; then the MANIFEST is added and everything is made durable and
 // renamed to <root>/step_N. Returns the final path. Throws CheckpointError (also when

@@ -156,9 +156,13 @@ class TorchTrainer final : public Trainer {
     gates_.layers = host.numel() > 2 ? NsaTransformerImpl::GateStatsFromValues(
                                            host.narrow(0, 2, host.numel() - 2).view({-1, 7}))
                                      : model_->last_gate_stats();
-    if (CheckpointDue(step_) && Rank() == 0) {  // the weights are the same on every worker
-      m.checkpoint = SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_);
-      last_checkpoint_ = m.checkpoint;
+    if (CheckpointDue(step_)) {
+      if (Rank() == 0) {  // the weights are the same on every worker
+        m.checkpoint = SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_);
+        last_checkpoint_ = m.checkpoint;
+      } else {  // what rank 0 wrote, so that a halt reported by this worker names it too
+        last_checkpoint_ = checkpoint::CheckpointPath(config_.checkpoint_dir, step_);
+      }
     }
     return m;
   }
