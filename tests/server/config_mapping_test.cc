@@ -193,6 +193,7 @@ TEST(Validation, ReportsEveryBadFieldWithTheValue) {
 
 TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {
   TrainConfig config;
+  config.model.head_dim = 64;  // a shape the kernels take (the default, 32, is not)
   const RuntimeCapabilities cpu_only{0, false};
   const RuntimeCapabilities gpu{1, true};
   const RuntimeCapabilities gpu_without_kernels{2, false};
@@ -233,6 +234,7 @@ TEST(RuntimePlan, CudaGraphsNeedTheCudaBackend) {
   nsa::v1::RunConfig proto;
   ASSERT_EQ(ParseRunConfigJson(R"({"cuda_graphs": true})", &proto), "");
   TrainConfig config = FromProto(proto);
+  config.model.head_dim = 64;  // a shape the kernels take
   EXPECT_TRUE(config.cuda_graphs);
   EXPECT_TRUE(ToProto(config).cuda_graphs());
   EXPECT_FALSE(FromProto(nsa::v1::RunConfig()).cuda_graphs) << "off by default";
