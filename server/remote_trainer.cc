@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -185,47 +186,39 @@ class WorkerGroup {
   // the first worker to fail threw (its error reply, or its exit).
   std::vector<worker::Response> Call(const std::vector<worker::Request>& requests) {
     std::vector<bool> pending(workers_.size(), false);  // sent the request, not yet replied
-    for (size_t r = 0; r < workers_.size(); ++r) {
-      try {
-        workers_[r]->Send(requests[r]);
-      } catch (const std::exception&) {
-        KillPending(pending);
-        throw;
-      }
-      pending[r] = true;
-    }
-    std::vector<worker::Response> replies(workers_.size());
-    size_t left = workers_.size();
-    while (left > 0) {
-      std::vector<pollfd> fds;
-      std::vector<size_t> ranks;
+    try {
       for (size_t r = 0; r < workers_.size(); ++r) {
-        if (!pending[r]) continue;
-        fds.push_back({workers_[r]->readable(), POLLIN, 0});
-        ranks.push_back(r);
+        workers_[r]->Send(requests[r]);
+        pending[r] = true;
       }
-      if (::poll(fds.data(), fds.size(), -1) < 0) {
-        if (errno == EINTR) continue;
-        throw std::runtime_error(std::string("poll on nsad-worker pipes: ") + std::strerror(errno));
-      }
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        const size_t r = ranks[i];
-        pending[r] = false;
-        --left;
-        try {
+      std::vector<worker::Response> replies(workers_.size());
+      while (std::find(pending.begin(), pending.end(), true) != pending.end()) {
+        std::vector<pollfd> fds;
+        std::vector<size_t> ranks;
+        for (size_t r = 0; r < workers_.size(); ++r) {
+          if (!pending[r]) continue;
+          fds.push_back({workers_[r]->readable(), POLLIN, 0});
+          ranks.push_back(r);
+        }
+        if (::poll(fds.data(), fds.size(), -1) < 0) {
+          if (errno == EINTR) continue;
+          throw std::runtime_error(std::string("poll on nsad-worker pipes: ") + std::strerror(errno));
+        }
+        for (size_t i = 0; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          const size_t r = ranks[i];
+          pending[r] = false;
           replies[r] = workers_[r]->Receive();
-        } catch (const std::exception&) {
-          KillPending(pending);
-          throw;
-        }
-        if (replies[r].has_error()) {
-          KillPending(pending);
-          ThrowWorkerError(replies[r].error());
+          if (replies[r].has_error()) ThrowWorkerError(replies[r].error());
         }
       }
+      return replies;
+    } catch (...) {
+      for (size_t r = 0; r < workers_.size(); ++r) {
+        if (pending[r]) workers_[r]->Kill();
+      }
+      throw;
     }
-    return replies;
   }
 
   std::vector<worker::Response> CallAll(const worker::Request& request) {
@@ -233,12 +226,6 @@ class WorkerGroup {
   }
 
  private:
-  void KillPending(const std::vector<bool>& pending) {
-    for (size_t r = 0; r < workers_.size(); ++r) {
-      if (pending[r]) workers_[r]->Kill();
-    }
-  }
-
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
 };
 
@@ -250,9 +237,10 @@ class RemoteTrainer final : public Trainer {
     std::vector<worker::Request> requests(workers_.size());
     const std::string rendezvous = run_dir + "/rendezvous";
     if (workers_.size() > 1) std::filesystem::remove(rendezvous);  // a stale one would mislead
+    const nsa::v1::RunConfig wire_config = ToProto(config);
     for (int rank = 0; rank < workers_.size(); ++rank) {
       auto* create = requests[rank].mutable_create();
-      *create->mutable_config() = ToProto(config);
+      *create->mutable_config() = wire_config;
       create->set_allow_fault_injection(config.allow_fault_injection);
       create->set_rank(rank);
       if (workers_.size() > 1) create->set_rendezvous(rendezvous);
