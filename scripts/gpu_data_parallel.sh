@@ -3,7 +3,7 @@
 # call on nvidia-h100-x2): build (Release) -> the multi-GPU tests (two workers train as one
 # with their batches together; a dead worker fails its run) -> the daemon training m7c 125M
 # (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES workers in turn, eager
-# steps, then one worker with CUDA graphs, each run's throughput printed by nsactl.
+# steps, then again with CUDA graphs, each run's throughput printed by nsactl.
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-dp. Carry .device-deps and .kernel-deps.
 #   scripts/gpu_data_parallel.sh [LOG_DIR]   env: M7C_STEPS=40, WORLD_SIZES="2 1"
 set -uo pipefail
@@ -59,7 +59,9 @@ for w in ${WORLD_SIZES:-2 1}; do
   train "world$w-eager" -e 's#"cuda_graphs": true#"cuda_graphs": false#' \
                         -e "s#\"grad_accum\": 1,#\"grad_accum\": 1, \"world_size\": $w,#"
 done
-train "world1-graph"
+for w in ${WORLD_SIZES:-2 1}; do
+  train "world$w-graph" -e "s#\"grad_accum\": 1,#\"grad_accum\": 1, \"world_size\": $w,#"
+done
 kill $daemon; wait $daemon; echo "nsad exit $?"
 cp -r "$state/runs" "$logs/runs" 2>/dev/null; find "$logs/runs" -name '*.pt' -delete 2>/dev/null
 rm -rf "$logs/runs"/*/checkpoints

@@ -312,12 +312,6 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
       }
       break;
   }
-  if (config.cuda_graphs && config.world_size > 1) {
-    // The all-reduce would sit inside the captured step: not supported yet.
-    plan.errors.push_back({"cuda_graphs", "not available with world_size > 1 (got world_size " +
-                                              std::to_string(config.world_size) +
-                                              "): data-parallel steps run eagerly"});
-  }
   if (config.cuda_graphs && plan.errors.empty() && plan.backend != AttentionBackend::kCuda) {
     plan.errors.push_back({"cuda_graphs", std::string("needs a CUDA device and the CUDA attention backend, but "
                                                       "the run uses the ") +

@@ -49,8 +49,8 @@ TEST_F(TrainerTest, BackendResolvesToReferenceOnCpuAndCudaIsRefused) {
   EXPECT_THROW(Trainer::Create(config), ConfigError);
 }
 
-// world_size > 1 needs one CUDA device per worker and NCCL, a device the workers can be
-// spread over, and eager steps; each refusal names the field.
+// world_size > 1 needs one CUDA device per worker and NCCL, and a device the workers can be
+// spread over; each refusal names the field. CUDA graphs go with it.
 TEST_F(TrainerTest, DataParallelRunsArePlannedOnlyWhereTheyCanRun) {
   TrainConfig config = Tiny();
   config.world_size = 0;
@@ -87,9 +87,13 @@ TEST_F(TrainerTest, DataParallelRunsArePlannedOnlyWhereTheyCanRun) {
   TrainConfig cpu = config;
   cpu.device = "cpu";
   refused(cpu, two_gpus, "world_size", "device must be auto or cuda");
+  // CUDA graphs capture the step with its all-reduces; they still need the kernels' shapes.
   TrainConfig graphs = config;
   graphs.cuda_graphs = true;
-  refused(graphs, two_gpus, "cuda_graphs", "world_size");
+  graphs.model.head_dim = 64;
+  const auto graphed = PlanRuntime(graphs, two_gpus);
+  EXPECT_TRUE(graphed.errors.empty()) << FormatFieldErrors(graphed.errors);
+  EXPECT_EQ(graphed.backend, AttentionBackend::kCuda);
   // And on this machine, through Create, when it lacks two GPUs.
   if (ProbeRuntime().cuda_devices < 2) {
     EXPECT_THROW(Trainer::Create(config, {0, (dir_ / "rendezvous").string()}), ConfigError);

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
+#include <vector>
 
 #include "daemon_fixture.h"
 #include "data/shard.h"
@@ -470,6 +472,64 @@ TEST_F(DaemonTest, TwoGpuWorkersTrainLikeOneWorkerWithTheirBatchesTogether) {
   const fs::path run_dir = fs::path(p.config().checkpoint_dir()).parent_path();
   EXPECT_TRUE(fs::exists(run_dir / "worker.log"));
   EXPECT_TRUE(fs::exists(run_dir / "worker-1.log"));
+}
+
+// Data parallel with CUDA graphs: after two eager steps each worker captures its step with
+// the all-reduces in it and replays that. The replays must train as eager data-parallel steps
+// do. A capture without the all-reduces would update each worker with its own gradients:
+// another gradient norm (random tokens, so the two workers' gradients differ), the workers'
+// weights apart, another validation loss. bf16 on the kernels, so a tolerance.
+TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
+  std::mt19937 rng(7);
+  std::vector<uint32_t> tokens(20000);
+  for (auto& t : tokens) t = rng() % 256;
+  const fs::path random_shards = dir_ / "random-shards";
+  fs::create_directories(random_shards);
+  data::WriteShard((random_shards / "random_train_000000.bin").string(), tokens, data::TokenWidth::kUint16);
+  auto config = TinyConfig(random_shards);
+  auto* model = config.mutable_model();  // a shape the kernels take: graphs need them
+  model->set_dim(64);
+  model->set_n_heads(4);
+  model->set_n_kv_groups(2);
+  model->set_head_dim(64);
+  auto* nsa = model->mutable_nsa();
+  nsa->set_cmp_block(16);
+  nsa->set_cmp_stride(8);
+  nsa->set_slc_block(32);
+  nsa->set_slc_top_n(4);
+  nsa->set_window(64);
+  config.set_seq_len(128);
+  config.set_device("auto");
+  config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_CUDA);
+  config.set_max_steps(8);
+  config.set_eval_every(8);
+  config.set_world_size(2);
+  config.set_cuda_graphs(true);
+  nsa::v1::RunInfo graphed;
+  const auto status = Start(config, &graphed);
+  if (!status.ok()) {
+    // Only the machine may refuse it (fewer than two GPUs, no NCCL, no kernels); a refusal
+    // of cuda_graphs itself, as before graphs captured the all-reduces, is a failure.
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    ASSERT_EQ(status.error_message().find("cuda_graphs"), std::string::npos) << status.error_message();
+    GTEST_SKIP() << "needs two CUDA devices and the kernels: " << status.error_message();
+  }
+  config.set_cuda_graphs(false);
+  nsa::v1::RunInfo eager;
+  ASSERT_TRUE(Start(config, &eager).ok());
+  auto ended = [&](const std::string& id) {
+    WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(300));
+    return Get(id);
+  };
+  const auto g = ended(graphed.run_id()), e = ended(eager.run_id());
+  ASSERT_EQ(g.state(), nsa::v1::COMPLETED) << g.message();
+  ASSERT_EQ(e.state(), nsa::v1::COMPLETED) << e.message();
+  EXPECT_TRUE(g.config().cuda_graphs());
+  EXPECT_EQ(g.config().world_size(), 2);
+  EXPECT_EQ(g.progress().tokens_seen(), e.progress().tokens_seen());
+  EXPECT_NEAR(g.progress().loss(), e.progress().loss(), 2e-3 * e.progress().loss());
+  EXPECT_NEAR(g.progress().grad_norm(), e.progress().grad_norm(), 2e-2 * e.progress().grad_norm());
+  EXPECT_NEAR(g.progress().val_loss(), e.progress().val_loss(), 2e-3 * e.progress().val_loss());
 }
 
 // One dead worker of a data-parallel run fails the run with its reason at once, and the

@@ -274,7 +274,11 @@ class TorchTrainer final : public Trainer {
         torch::Tensor loss =
             Loss(Logits(static_batch_), static_batch_, false, 1.0 / config_.grad_accum) / config_.grad_accum;
         loss.backward();
-        return ClipAndUpdate(loss.detach().to(torch::kFloat64));
+        // Data parallel: the all-reduces are captured too (NCCL kernels in the graph), so
+        // every replay averages that replay's gradients and loss over the workers.
+        const torch::Tensor loss_sum = loss.detach().to(torch::kFloat64);
+        AverageOverWorkers(loss_sum);
+        return ClipAndUpdate(loss_sum);
       });
     } else {
       static_batch_.copy_(batch);
