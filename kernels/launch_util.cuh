@@ -52,12 +52,13 @@ inline void CheckInput(const at::Tensor& t, const char* name, int64_t dims) {
 // Calls f(std::integral_constant<int, D>) for the head dims the kernels are built for.
 template <typename F>
 void DispatchHeadDim(int64_t D, F&& f) {
-  if (D == 64) {
-    f(std::integral_constant<int, 64>{});
-  } else if (D == 128) {
-    f(std::integral_constant<int, 128>{});
+  constexpr int kSmall = kernel_limits::kHeadDimSmall, kLarge = kernel_limits::kHeadDimLarge;
+  if (D == kSmall) {
+    f(std::integral_constant<int, kSmall>{});
+  } else if (D == kLarge) {
+    f(std::integral_constant<int, kLarge>{});
   } else {
-    TORCH_CHECK(false, "NSA CUDA kernels support head_dim 64 and 128, got ", D);
+    TORCH_CHECK(false, "NSA CUDA kernels support head_dim ", kSmall, " and ", kLarge, ", got ", D);
   }
 }
 

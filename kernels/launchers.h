@@ -6,6 +6,8 @@
 
 #include <tuple>
 
+#include "nsa/kernel_limits.h"
+
 namespace nsad::nsa::cuda::detail {
 
 // The NSA geometry as plain ints (nsa::Geometry lives in a torch/torch.h header).
@@ -19,7 +21,7 @@ inline int64_t NumCmpBlocks(int64_t T, const Geo& g) {
 }
 
 // Query heads per group the kernels accept (a CTA holds all heads of one group).
-constexpr int kMaxHeadsPerGroup = 16;
+constexpr int kMaxHeadsPerGroup = kernel_limits::kMaxHeadsPerGroup;
 
 // True when this binary carries machine code for the current GPU.
 bool KernelImageLoads();

@@ -17,7 +17,7 @@
 namespace nsad::nsa::cuda::detail {
 namespace {
 
-constexpr int kMaxTopN = 32;  // one warp lane per chosen block
+constexpr int kMaxTopN = kernel_limits::kMaxTopN;  // one warp lane per chosen block
 
 struct Candidate {
   float value;

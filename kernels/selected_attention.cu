@@ -928,8 +928,9 @@ void CheckSelected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(block_idx.size(0) == q.size(0) && block_idx.size(1) == q.size(1) &&
                   block_idx.size(2) == k.size(2),
               "block_idx must be [B,T,G,n], got ", block_idx.sizes());
-  TORCH_CHECK(g.slc_block > 0 && g.slc_block <= kKeyChunk, "selection block must be in [1, ",
-              kKeyChunk, "], got ", g.slc_block);
+  static_assert(kernel_limits::kMaxSelectionBlock == kKeyChunk, "a selection block is one staged key tile");
+  TORCH_CHECK(g.slc_block > 0 && g.slc_block <= kernel_limits::kMaxSelectionBlock, "selection block must be in [1, ",
+              kernel_limits::kMaxSelectionBlock, "], got ", g.slc_block);
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "nsa/kernel_limits.h"
+
 namespace nsad {
 
 int EffectiveMlpHidden(const ModelConfig& model) {
@@ -228,28 +230,28 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
 
 namespace {
 
-// The model shapes the NSA CUDA kernels are built for, one FieldError per shape they are not:
-// head dims (DispatchHeadDim, kernels/launch_util.cuh), heads per group (kMaxHeadsPerGroup,
-// kernels/launchers.h), top-n (kMaxTopN, kernels/select_blocks.cu) and the selection block
-// (kKeyChunk, kernels/attention_tile.cuh). Keep them in step with those constants.
+// The model shapes the NSA CUDA kernels are built for (nsa/kernel_limits.h, which the kernels
+// check their inputs against), one FieldError per shape they are not.
 std::vector<FieldError> CudaKernelShapeErrors(const ModelConfig& m) {
+  namespace limits = nsa::kernel_limits;
   std::vector<FieldError> errors;
   const std::string why = " for the NSA CUDA kernels";
-  if (m.head_dim != 64 && m.head_dim != 128) {
-    errors.push_back({"model.head_dim", "must be 64 or 128" + why + " (got " +
-                                            std::to_string(m.head_dim) + ")"});
+  const auto got = [](int value) { return " (got " + std::to_string(value) + ")"; };
+  if (!limits::HeadDimSupported(m.head_dim)) {
+    errors.push_back({"model.head_dim", "must be " + std::to_string(limits::kHeadDimSmall) + " or " +
+                                            std::to_string(limits::kHeadDimLarge) + why + got(m.head_dim)});
   }
-  if (m.n_kv_groups > 0 && m.n_heads / m.n_kv_groups > 16) {
-    errors.push_back({"model.n_heads", "at most 16 query heads per kv group" + why + " (got " +
-                                           std::to_string(m.n_heads / m.n_kv_groups) + ")"});
+  if (m.n_kv_groups > 0 && m.n_heads / m.n_kv_groups > limits::kMaxHeadsPerGroup) {
+    errors.push_back({"model.n_heads", "at most " + std::to_string(limits::kMaxHeadsPerGroup) +
+                                           " query heads per kv group" + why + got(m.n_heads / m.n_kv_groups)});
   }
-  if (m.nsa.slc_top_n > 32) {
-    errors.push_back({"model.nsa.slc_top_n", "must be at most 32" + why + " (got " +
-                                                 std::to_string(m.nsa.slc_top_n) + ")"});
+  if (m.nsa.slc_top_n > limits::kMaxTopN) {
+    errors.push_back({"model.nsa.slc_top_n",
+                      "must be at most " + std::to_string(limits::kMaxTopN) + why + got(m.nsa.slc_top_n)});
   }
-  if (m.nsa.slc_block > 64) {
-    errors.push_back({"model.nsa.slc_block", "must be at most 64" + why + " (got " +
-                                                 std::to_string(m.nsa.slc_block) + ")"});
+  if (m.nsa.slc_block > limits::kMaxSelectionBlock) {
+    errors.push_back({"model.nsa.slc_block",
+                      "must be at most " + std::to_string(limits::kMaxSelectionBlock) + why + got(m.nsa.slc_block)});
   }
   return errors;
 }
