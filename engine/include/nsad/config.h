@@ -119,7 +119,8 @@ struct TrainConfig {
   bool activation_checkpointing = false;
   // Capture the training step in a CUDA graph after two eager warm-up steps and replay it
   // (trainer/step_graph.h). CUDA device and CUDA attention backend only; steps with
-  // grad_accum > 1, activation checkpointing or an injected fault run eagerly.
+  // grad_accum > 1, activation checkpointing or an injected fault run eagerly. Data parallel
+  // (world_size > 1): the all-reduces are captured with the step.
   bool cuda_graphs = false;
 };
 
