@@ -14,8 +14,8 @@ namespace nsad {
 
 namespace {
 
-// One flat buffer per call, so a step is one collective instead of one per tensor (the m7c
-// model has 266): NCCL's per-call latency would otherwise dominate the small ones.
+// The broadcast at start goes through one flat buffer: one collective instead of one per
+// tensor (the m7c model has 266), once per run, so its copies cost nothing that matters.
 torch::Tensor Flatten(const std::vector<torch::Tensor>& tensors) {
   std::vector<torch::Tensor> flat;
   flat.reserve(tensors.size());
@@ -70,11 +70,13 @@ void DataParallel::Broadcast(const std::vector<torch::Tensor>& tensors) {
 }
 
 void DataParallel::Average(const std::vector<torch::Tensor>& tensors) {
-  std::vector<torch::Tensor> flat = {Flatten(tensors)};
-  c10d::AllreduceOptions options;
+  // One NCCL group of an all-reduce per tensor, in place. A flat copy (the broadcast's way)
+  // would cost a model-sized float32 buffer (500 MB for m7c) and 1 GB of copies per step;
+  // on two H100s both ran at the same speed (docs/PERFORMANCE.md), so the memory decides.
+  std::vector<torch::Tensor> in_place(tensors.begin(), tensors.end());
+  c10d::AllreduceCoalescedOptions options;
   options.reduceOp = c10d::ReduceOp::AVG;
-  group_->nccl->allreduce(flat, options)->wait();  // the current stream waits, not the host
-  CopyBack(flat[0], tensors);
+  group_->nccl->allreduce_coalesced(in_place, options)->wait();  // the current stream waits, not the host
 }
 
 #else  // no NCCL in this build: PlanRuntime refuses world_size > 1 (caps.nccl is false)

@@ -33,8 +33,9 @@ class DataParallel {
   // Overwrites every tensor with rank 0's values (one collective).
   void Broadcast(const std::vector<torch::Tensor>& tensors);
 
-  // Replaces every tensor with its mean over the workers (one collective). The tensors
-  // must share a dtype. Stream-ordered: the host does not wait for the result.
+  // Replaces every tensor with its mean over the workers, in place (one NCCL group of
+  // all-reduces). The tensors must be contiguous and share a dtype. Stream-ordered: the
+  // host does not wait for the result.
   void Average(const std::vector<torch::Tensor>& tensors);
 
  private:
