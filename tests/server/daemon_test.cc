@@ -474,20 +474,10 @@ TEST_F(DaemonTest, TwoGpuWorkersTrainLikeOneWorkerWithTheirBatchesTogether) {
   EXPECT_TRUE(fs::exists(run_dir / "worker-1.log"));
 }
 
-// Data parallel with CUDA graphs: after two eager steps each worker captures its step with
-// the all-reduces in it and replays that. The replays must train as eager data-parallel steps
-// do. A capture without the all-reduces would update each worker with its own gradients:
-// another gradient norm (random tokens, so the two workers' gradients differ), the workers'
-// weights apart, another validation loss. bf16 on the kernels, so a tolerance.
-TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
-  std::mt19937 rng(7);
-  std::vector<uint32_t> tokens(20000);
-  for (auto& t : tokens) t = rng() % 256;
-  const fs::path random_shards = dir_ / "random-shards";
-  fs::create_directories(random_shards);
-  data::WriteShard((random_shards / "random_train_000000.bin").string(), tokens, data::TokenWidth::kUint16);
-  auto config = TinyConfig(random_shards);
-  auto* model = config.mutable_model();  // a shape the kernels take: graphs need them
+// TinyConfig on the GPU in a shape the CUDA kernels take, with CUDA graphs (which need them).
+nsa::v1::RunConfig GraphedGpuConfig(const fs::path& shards) {
+  auto config = TinyConfig(shards);
+  auto* model = config.mutable_model();
   model->set_dim(64);
   model->set_n_heads(4);
   model->set_n_kv_groups(2);
@@ -501,10 +491,26 @@ TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
   config.set_seq_len(128);
   config.set_device("auto");
   config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_CUDA);
+  config.set_cuda_graphs(true);
+  return config;
+}
+
+// Data parallel with CUDA graphs: after two eager steps each worker captures its step with
+// the all-reduces in it and replays that. The replays must train as eager data-parallel steps
+// do. A capture without the all-reduces would update each worker with its own gradients:
+// another gradient norm (random tokens, so the two workers' gradients differ), the workers'
+// weights apart, another validation loss. bf16 on the kernels, so a tolerance.
+TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
+  std::mt19937 rng(7);
+  std::vector<uint32_t> tokens(20000);
+  for (auto& t : tokens) t = rng() % 256;
+  const fs::path random_shards = dir_ / "random-shards";
+  fs::create_directories(random_shards);
+  data::WriteShard((random_shards / "random_train_000000.bin").string(), tokens, data::TokenWidth::kUint16);
+  auto config = GraphedGpuConfig(random_shards);
   config.set_max_steps(8);
   config.set_eval_every(8);
   config.set_world_size(2);
-  config.set_cuda_graphs(true);
   nsa::v1::RunInfo graphed;
   const auto status = Start(config, &graphed);
   if (!status.ok()) {
@@ -534,25 +540,30 @@ TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
 
 // One dead worker of a data-parallel run fails the run with its reason at once, and the
 // other worker, which would wait for it in its all-reduce, is stopped.
+// Eager steps, and replayed CUDA graphs, where the survivor's all-reduce is a kernel inside
+// the graph (killed from step 5 on: two eager steps, the capture, then replays).
 TEST_F(DaemonTest, ADeadWorkerFailsItsDataParallelRunAndStopsTheOthers) {
-  auto config = TinyConfig(shards_);
-  config.set_device("auto");
-  config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);  // head_dim 16
-  config.set_world_size(2);
-  nsa::v1::RunInfo run;
-  const auto status = Start(config, &run);
-  if (!status.ok()) GTEST_SKIP() << "needs two CUDA devices: " << status.error_message();
-  ASSERT_TRUE(WaitForStep(run.run_id(), 2));
-  const auto workers = daemon_->Children();
-  ASSERT_EQ(workers.size(), 2u);
-  ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
+  auto eager = TinyConfig(shards_);
+  eager.set_device("auto");
+  eager.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);  // head_dim 16
+  for (auto [config, kill_at] : {std::pair{eager, 2}, std::pair{GraphedGpuConfig(shards_), 5}}) {
+    SCOPED_TRACE(config.cuda_graphs() ? "CUDA graphs" : "eager");
+    config.set_world_size(2);
+    nsa::v1::RunInfo run;
+    const auto status = Start(config, &run);
+    if (!status.ok()) GTEST_SKIP() << "needs two CUDA devices: " << status.error_message();
+    ASSERT_TRUE(WaitForStep(run.run_id(), kill_at));
+    const auto workers = daemon_->Children();
+    ASSERT_EQ(workers.size(), 2u);
+    ASSERT_EQ(::kill(workers[1], SIGKILL), 0);
 
-  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::FAILED, 60)) << Get(run.run_id()).message();
-  const auto failed = Get(run.run_id());
-  EXPECT_NE(failed.message().find("killed by signal 9"), std::string::npos) << failed.message();
-  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(30)))
-      << "the surviving worker must not linger in its all-reduce";
-  ASSERT_TRUE(daemon_->Alive());
+    ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::FAILED, 60)) << Get(run.run_id()).message();
+    const auto failed = Get(run.run_id());
+    EXPECT_NE(failed.message().find("killed by signal 9"), std::string::npos) << failed.message();
+    EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(30)))
+        << "the surviving worker must not linger in its all-reduce";
+    ASSERT_TRUE(daemon_->Alive());
+  }
 }
 
 TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
