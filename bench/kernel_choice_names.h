@@ -39,6 +39,8 @@ constexpr std::pair<const char*, WindowChoice::Backward> kWinBwdNames[] = {
     {"wgmma", WindowChoice::Backward::kWgmma}};
 constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
     {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma}};
+constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
+    {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
     {"auto", CompressedChoice::Path::kAuto}, {"own", CompressedChoice::Path::kOwn},
     {"registers", CompressedChoice::Path::kRegisters},

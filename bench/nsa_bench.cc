@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product]
 //             [--tiled-mma auto|sync|wgmma]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
@@ -71,6 +71,7 @@ using CmpChoice = nsad::bench::CompressedChoice;
 using TiledChoice = nsad::bench::TiledChoice;
 using nsad::bench::ParseChoiceFlag;
 using nsad::bench::NameOf;
+using nsad::bench::kCmpMapNames;
 using nsad::bench::kCmpNames;
 using nsad::bench::kTiledMmaNames;
 using nsad::bench::kSlcDkDvNames;
@@ -275,6 +276,8 @@ int main(int argc, char** argv) {
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
     else if (a == "--cmp-kernel") {
       if (!ParseChoiceFlag("--cmp-kernel", kCmpNames, argv[i + 1], cmp_choice.path)) return 2;
+    } else if (a == "--cmp-map") {
+      if (!ParseChoiceFlag("--cmp-map", kCmpMapNames, argv[i + 1], cmp_choice.map)) return 2;
     } else if (a == "--win-fwd") {
       if (!ParseChoiceFlag("--win-fwd", kWinFwdNames, argv[i + 1], win_choice.forward)) return 2;
     } else if (a == "--win-bwd") {
@@ -320,7 +323,8 @@ int main(int argc, char** argv) {
               choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
-  std::printf("# compressed kernels: %s\n", NameOf(kCmpNames, cmp_choice.path));
+  std::printf("# compressed kernels: %s, importance map %s\n", NameOf(kCmpNames, cmp_choice.path),
+              NameOf(kCmpMapNames, cmp_choice.map));
   nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
   std::printf("# window forward: %s\n", NameOf(kWinFwdNames, win_choice.forward));
   std::printf("# window backward: %s, positions per work item %d%s\n", NameOf(kWinBwdNames, win_choice.backward),

@@ -35,15 +35,18 @@ namespace nsad::nsa::cuda::detail {
 
 namespace {
 std::atomic<CompressedKernelChoice::Path> compressed_choice{CompressedKernelChoice::Path::kAuto};
+std::atomic<CompressedKernelChoice::Map> compressed_map{CompressedKernelChoice::Map::kAuto};
 }  // namespace
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice) {
   compressed_choice.store(choice.path);
+  compressed_map.store(choice.map);
 }
 
 CompressedKernelChoice GetCompressedKernelChoice() {
   CompressedKernelChoice choice;
   choice.path = compressed_choice.load();
+  choice.map = compressed_map.load();
   return choice;
 }
 
@@ -244,7 +247,8 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 //
 // The importance pass (kImportance) runs the same walk with K only and no P.V: with the
 // final lse, P = exp2(S - lse) is exact per tile, and its mapping onto selection blocks is
-// itself a small product X = P W, W[j][sb] = token overlap of compressed block j with
+// two shuffles per n8 tile in the paper's geometry (QuadMapRows) and elsewhere a small
+// product X = P W, W[j][sb] = token overlap of compressed block j with
 // selection block sb (integers <= l, exact in fp16; P in [0, 1] as a sum of two fp16
 // parts, see SplitHalf2). X goes to shared memory, where the group's heads are summed in a fixed
 // order. Tiles start at multiples of kN blocks and kN * d is a multiple of l' (checked on
@@ -286,11 +290,54 @@ __host__ __device__ inline int CmpTileSpan(int kN, int cmp_block, int cmp_stride
   return ((kN - 1) * cmp_stride + cmp_block - 1) / slc_block + 1;
 }
 
+// X = P W without the product, for l = 2d and l' = 4d (NSA's defaults, m7c's 32/16/64): key k
+// of a tile (which starts on a selection-block boundary) covers the d-token chunks k and
+// k + 1, and chunk u lies in selection block u / 4. So keys 4s, 4s + 1 and 4s + 2 add 2d p
+// to block s, and key 4s + 3 adds d p to block s and d p to block s + 1. In P's C layout lane
+// c of a quad holds keys 8n + 2c and 8n + 2c + 1 of each n8 tile: lanes 0-1 hold block 2n's
+// keys, lanes 2-3 block 2n + 1's, and lanes 1 and 3 the keys that spill into the next
+// block. Per tile and half row: one shuffle sums a block's two lanes, one more brings the
+// spill in (lanes 2-3 from lane 1 of the same tile, lanes 0-1 from lane 3 of the tile
+// before); lanes 0 and 2 store the block, lane 3 the tile's last spill (column 16, carried
+// to the next tile as W's last column is). fp32 throughout, where the W product took P as
+// two fp16 parts; it leaves the tensor cores to S and saves the hi/lo split.
+__host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, int slc_block) {
+  return cmp_block == 2 * cmp_stride && slc_block == 4 * cmp_stride;
+}
+
+// p: one m16 tile's P (kNt n8 tiles, C layout); x_row: staged X of the lane's row g, row
+// g + 8 eight rows on (x_ld floats per row).
+template <int kNt>
+__device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_row, int x_ld, float d, int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int c = lane & 3;
+  const bool odd = (c & 1) != 0;
+  const int spill_src = (lane & ~3) | (c >= 2 ? 1 : 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* const x = x_row + h * 8 * x_ld;
+    float prev_spill = 0.f;  // lane 3: its spill of the n8 tile before
+#pragma unroll
+    for (int n = 0; n < kNt; ++n) {
+      const float p0 = p[n][2 * h], p1 = p[n][2 * h + 1];
+      const float own = d * (2.f * p0 + (odd ? 1.f : 2.f) * p1);
+      const float spill = odd ? d * p1 : 0.f;
+      const float pair = own + __shfl_xor_sync(kAll, own, 1);
+      const float in = __shfl_sync(kAll, c == 3 ? prev_spill : spill, spill_src);
+      if (!odd) x[2 * n + (c >> 1)] = pair + in;
+      prev_spill = spill;
+    }
+    if (c == 3) x[2 * kNt] = prev_spill;
+  }
+}
+
 // Register budgets of the importance pass, measured on H100 at 64k: D=64 four CTAs per SM
 // (128 registers, 52 bytes of spill; 164 and three CTAs without the bound), 1.90 -> 1.82 ms at
 // 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
 // registers and forward + importance went 5.84 -> 6.99 ms at 12:2, 29.5 -> 34.3 ms at 64:4.
-template <typename scalar_t, int D, bool kImportance>
+// kQuadMap (importance only): X by QuadMapRows, for the geometry QuadMapApplies to; its own
+// instance, so that the W product's registers do not weigh on it.
+template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false>
 __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 64 ? 4 : 2) : 1)
     CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                   const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
@@ -347,6 +394,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
   float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
   uint2* const w_frags = reinterpret_cast<uint2*>(carry_s + 2 * Cfg::kRows * Cfg::kMaxCarry);
   int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
+  const float overlap_d = static_cast<float>(cmp_stride);  // QuadMapRows' weight unit
   // Importance row of the CTA's first position; positions are G * NS floats apart.
   float* const imp_rows =
       kImportance ? importance + (static_cast<int64_t>(b) * s.T + t0) * s.G * NS + static_cast<int64_t>(grp) * NS
@@ -395,8 +443,9 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
             st, sc, kbuf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return !masked || key0 + key < row_vis[m][h]; }, lane);
       } else {
-        // P = exp2(S - lse), then X = P W into shared memory. P goes in as two fp16 parts
-        // (P = hi + lo, lo the rounding residual), so X keeps ~fp32 accuracy.
+        // P = exp2(S - lse), then X = P W into shared memory: by QuadMapRows in the paper's
+        // geometry, else as a product where P goes in as two fp16 parts (P = hi + lo, lo the
+        // rounding residual), so X keeps ~fp32 accuracy.
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -407,6 +456,10 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
               float& x = sc[m][n][e];
               x = (!masked || key < row_vis[m][h]) ? mma::Exp2(x * scale_log2 - row_lse[m][h]) : 0.f;
             }
+          }
+          if constexpr (kQuadMap) {
+            QuadMapRows<kNt>(sc[m], xs + (16 * (kM * warp + m) + g) * Cfg::kXld, Cfg::kXld, overlap_d, lane);
+            continue;
           }
           float xa[Cfg::kSbTiles][4];
 #pragma unroll
@@ -994,7 +1047,10 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     using Cfg = CmpSmemCfg<D>;
     const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
-    const auto imp = CmpSmemKernel<scalar_t, D, true>;
+    // The paper's geometry (l = 2d, l' = 4d; m7c's 32/16/64) maps P without the W product.
+    const bool quad = QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) &&
+                      compressed_map.load() != CompressedKernelChoice::Map::kProduct;
+    const auto imp = quad ? CmpSmemKernel<scalar_t, D, true, true> : CmpSmemKernel<scalar_t, D, true, false>;
     AllowSmem(imp, Cfg::kImpSmem);
     imp<<<sg.grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),

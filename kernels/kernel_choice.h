@@ -73,10 +73,15 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // wherever the geometry allows them, the register-only kernels elsewhere. kDense forces
 // cuDNN, kOwn our kernels at every length (the "before" of A/B timings), kRegisters the
 // register-only kernels (the fallback path). fp32 inputs always take the scalar kernels (a
-// forced kDense fails on them).
+// forced kDense fails on them). The shared-memory importance pass maps P onto selection
+// blocks as a product with the overlap matrix W, or, in the paper's geometry (l = 2d,
+// l' = 4d), with two shuffles per tile (QuadMapRows); kProduct forces the product there
+// too (tests, A/B timing).
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
+  enum class Map { kAuto, kProduct };
   Path path = Path::kAuto;
+  Map map = Map::kAuto;
 };
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);

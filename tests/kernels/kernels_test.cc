@@ -327,6 +327,42 @@ TEST_P(KernelsTest, CompressedAttentionOnCudnn) {
   CheckCompressedAttention();
 }
 
+// In the paper's geometry (l = 2d, l' = 4d, the default here) the shared-memory importance
+// pass maps P onto selection blocks with shuffles (QuadMapRows) instead of the product with
+// W. Both are exact up to float32 rounding (the product takes P as two fp16 parts), so they
+// must agree far tighter than the bf16 tolerance against the reference: a weight or a spill
+// sent to the wrong block would be a whole chunk's share off. On our kernels and on the
+// cuDNN path, whose importance pass is the same kernel.
+TEST_P(KernelsTest, CompressedImportanceQuadMapEqualsTheProduct) {
+  using Choice = cuda::detail::CompressedKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
+  if (geo_.cmp_block != 2 * geo_.cmp_stride || geo_.slc_block != 4 * geo_.cmp_stride) {
+    GTEST_SKIP() << "the quad map needs l = 2d and l' = 4d";
+  }
+  const int64_t N = NumCmpBlocks(c.T, geo_);
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto kc = torch::randn({kBatch, N, c.G, c.D}, Opts());
+  const auto vc = torch::randn({kBatch, N, c.G, c.D}, Opts());
+  for (const Choice::Path path : {Choice::Path::kOwn, Choice::Path::kDense}) {
+    if (path == Choice::Path::kDense && N < 2) continue;
+    SCOPED_TRACE(path == Choice::Path::kOwn ? "our kernels" : "cuDNN");
+    const auto importance = [&](Choice::Map map) {
+      Choice choice;
+      choice.path = path;
+      choice.map = map;
+      const cuda::detail::ScopedCompressedKernelChoice force(choice);
+      Poison();
+      return cuda::CompressedAttention(q, kc, vc, geo_).importance;
+    };
+    const auto quad = importance(Choice::Map::kAuto), product = importance(Choice::Map::kProduct);
+    ASSERT_TRUE(torch::isfinite(quad).all().item<bool>());
+    const double scale = product.abs().max().item<double>();
+    EXPECT_LT((quad - product).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
+        << "max |quad - product| over max |product| = " << scale;
+  }
+}
+
 void KernelsTest::CheckCompressedAttention() {
   const Case c = GetParam();
   const int64_t N = NumCmpBlocks(c.T, geo_), NS = NumSlcBlocks(c.T, geo_);
