@@ -120,6 +120,11 @@ class DaemonTest : public ::testing::Test {
   bool WaitForStep(const std::string& id, int64_t step, int seconds = 120) {
     return WaitFor([&] { return Get(id).progress().step() >= step; }, std::chrono::seconds(seconds));
   }
+  // The run once it has ended (halted, completed or failed), or as it stands after `seconds`.
+  nsa::v1::RunInfo Ended(const std::string& id, int seconds = 300) {
+    WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(seconds));
+    return Get(id);
+  }
 
   fs::path dir_;
   fs::path shards_;
@@ -425,8 +430,6 @@ TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
   EXPECT_TRUE(other == nsa::v1::RUNNING || other == nsa::v1::PENDING) << "only the named run halts";
 }
 
-// A worker that dies (an illegal memory access, the OOM killer, ...) fails its run with
-// the reason; the daemon and the other runs carry on.
 // Data parallel over two GPUs, one worker each: the two workers with batch 2 train as one
 // worker with batch 4 does (the same global batches, gradients averaged), step for step.
 // float32 on the reference backend, so that the only difference is the order of sums.
@@ -449,11 +452,7 @@ TEST_F(DaemonTest, TwoGpuWorkersTrainLikeOneWorkerWithTheirBatchesTogether) {
   config.set_batch_size(4);
   nsa::v1::RunInfo single;
   ASSERT_TRUE(Start(config, &single).ok());
-  auto ended = [&](const std::string& id) {
-    WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(300));
-    return Get(id);
-  };
-  const auto p = ended(parallel.run_id()), s = ended(single.run_id());
+  const auto p = Ended(parallel.run_id()), s = Ended(single.run_id());
   ASSERT_EQ(p.state(), nsa::v1::COMPLETED) << p.message();
   ASSERT_EQ(s.state(), nsa::v1::COMPLETED) << s.message();
   EXPECT_EQ(p.device(), "cuda:0,cuda:1");
@@ -523,11 +522,7 @@ TEST_F(DaemonTest, TwoGpuWorkersReplayCapturedStepsLikeTheirEagerSteps) {
   config.set_cuda_graphs(false);
   nsa::v1::RunInfo eager;
   ASSERT_TRUE(Start(config, &eager).ok());
-  auto ended = [&](const std::string& id) {
-    WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(300));
-    return Get(id);
-  };
-  const auto g = ended(graphed.run_id()), e = ended(eager.run_id());
+  const auto g = Ended(graphed.run_id()), e = Ended(eager.run_id());
   ASSERT_EQ(g.state(), nsa::v1::COMPLETED) << g.message();
   ASSERT_EQ(e.state(), nsa::v1::COMPLETED) << e.message();
   EXPECT_TRUE(g.config().cuda_graphs());
@@ -566,6 +561,8 @@ TEST_F(DaemonTest, ADeadWorkerFailsItsDataParallelRunAndStopsTheOthers) {
   }
 }
 
+// A worker that dies (an illegal memory access, the OOM killer, ...) fails its run with
+// the reason; the daemon and the other runs carry on.
 TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
