@@ -245,6 +245,44 @@ __device__ __forceinline__ void StageTileAsync(uint32_t dst, const scalar_t* src
   }
 }
 
+// StageTileAsync for a kernel that stages many tiles of the same shape: a thread's chunks land
+// at the same swizzled offsets and come from the same element offsets from the tile's first
+// row in every tile, so they are worked out once (the per-tile index and 64-bit address
+// arithmetic was about a sixth of the tiled forward's instructions). A thread's chunks are
+// kRowsPerPass rows apart, a multiple of the swizzle's 8-row period, so one chunk's offsets
+// give the others'. Per tile, Issue adds the first row's address and tests the thread's rows
+// against the tile's count.
+template <int D, int kRows, int kCtaThreads>
+struct TileCopyPlan {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kRowsPerPass = kCtaThreads / kChunks;
+  static_assert(kCtaThreads % kChunks == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "whole rows per pass, passes in the swizzle's phase");
+  uint32_t dst;  // swizzled byte offset of the thread's first chunk in the tile
+  int src;       // its element offset from the tile's first row
+  int row;
+  int pass_src;  // kRowsPerPass rows, in elements
+
+  // stride: elements between consecutive rows (kRows * stride must fit an int).
+  __device__ __forceinline__ explicit TileCopyPlan(int stride) {
+    const int chunk = static_cast<int>(threadIdx.x) % kChunks;
+    row = static_cast<int>(threadIdx.x) / kChunks;
+    dst = SwizzledOffset<D>(row, chunk);
+    src = row * stride + chunk * 8;
+    pass_src = kRowsPerPass * stride;
+  }
+  // Copies rows [0, count) of the tile whose row 0 is at first_row into the tile at smem
+  // address tile; rows >= count are zero-filled. The caller commits.
+  template <typename scalar_t>
+  __device__ __forceinline__ void Issue(uint32_t tile, const scalar_t* first_row, int count) const {
+#pragma unroll
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      const bool ok = row + pass * kRowsPerPass < count;
+      CpAsync16(tile + dst + pass * kRowsPerPass * D * 2, ok ? first_row + src + pass * pass_src : first_row, ok);
+    }
+  }
+};
+
 // 2^x on the SFU (ex2.approx.ftz, relative error ~2^-22; results below 2^-126 flush to 0,
 // far under what a bf16/fp16 softmax keeps). exp2f compiles to ex2.approx without ftz, whose
 // denormal handling adds three instructions per element: more than the rest of the
@@ -321,6 +359,92 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[kN / 8][4], float (&o)[
       o[i][2 * half + 1] *= alpha;
     }
   }
+}
+
+// OnlineSoftmax with FlashAttention-4's lazy rescale: the reference a row's p are taken
+// against (m) moves only when the row's max rises more than kLazyRescaleLog2 above it, and a
+// warp rescales its O and l only when one of its rows does so; most blocks after a row's
+// first skip the rescale (32 multiplies and two exponentials per lane and block at D = 64).
+// Exact in real arithmetic: the softmax does not depend on the reference subtracted, and
+// the log2-sum-exp is m + log2(l) for any m. The cost is p up to 2^8 instead of 1, which
+// every type P is rounded to holds with the same relative precision, and l and O stay far
+// from float32's range. The row max and sum each take two partial chains (half as many
+// dependent steps; a deeper tree spilled at the wgmma kernel's 128 registers).
+constexpr float kLazyRescaleLog2 = 8.f;
+
+// kRowGate: each of the lane's rows sees all of the step's keys or none (sees[half]), so the
+// mask is worked out per row, not per score: a row that sees none drops its max and takes
+// p = 2^(0 x - inf) = 0 (its scores are finite: finite inputs, zero-filled rows).
+template <int D, int kN, bool kRowGate, typename Allowed>
+__device__ __forceinline__ void OnlineSoftmaxLazyRescaleImpl(float (&s)[kN / 8][4], float (&o)[D / 8][4],
+                                                             float (&m)[2], float (&l)[2], float scale_log2,
+                                                             Allowed allowed, const bool (&sees)[2], int lane) {
+  const int c = lane & 3;
+  float row_max[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[j][2 * half + e];
+        if constexpr (!kRowGate) x = allowed(half, 8 * j + 2 * c + e) ? x : -INFINITY;
+        mx[e] = fmaxf(mx[e], x);
+      }
+    }
+    row_max[half] = QuadMax(fmaxf(mx[0], mx[1])) * scale_log2;  // scale_log2 > 0 keeps the order
+    if constexpr (kRowGate) row_max[half] = sees[half] ? row_max[half] : -INFINITY;
+  }
+  // -inf + 8 is -inf: a row's first finite max always moves its reference.
+  const bool rises = row_max[0] > m[0] + kLazyRescaleLog2 || row_max[1] > m[1] + kLazyRescaleLog2;
+  if (__any_sync(0xffffffffu, rises)) {  // warp-uniform, so the skip saves the instructions
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m_new = fmaxf(m[half], row_max[half]);
+      const float alpha = Exp2(m[half] - (m_new == -INFINITY ? 0.f : m_new));  // 0 from -inf
+      l[half] *= alpha;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        o[i][2 * half] *= alpha;
+        o[i][2 * half + 1] *= alpha;
+      }
+      m[half] = m_new;
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const bool off = kRowGate && !sees[half];
+    const float mul = off ? 0.f : scale_log2;
+    const float neg_base = off ? -INFINITY : (m[half] == -INFINITY ? 0.f : -m[half]);  // nothing seen: p = 0
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[j][2 * half + e];
+        x = Exp2(fmaf(x, mul, neg_base));
+        sum[j & 1] += x;
+      }
+    }
+    l[half] += sum[0] + sum[1];
+  }
+}
+
+// Scores allowed(half, key) rejects become -inf.
+template <int D, int kN, typename Allowed>
+__device__ __forceinline__ void OnlineSoftmaxLazyRescale(float (&s)[kN / 8][4], float (&o)[D / 8][4],
+                                                         float (&m)[2], float (&l)[2], float scale_log2,
+                                                         Allowed allowed, int lane) {
+  const bool all[2] = {true, true};
+  OnlineSoftmaxLazyRescaleImpl<D, kN, false>(s, o, m, l, scale_log2, allowed, all, lane);
+}
+// Row g + 8 half sees every score of the step if sees[half], else none.
+template <int D, int kN>
+__device__ __forceinline__ void OnlineSoftmaxLazyRescaleRows(float (&s)[kN / 8][4], float (&o)[D / 8][4],
+                                                             float (&m)[2], float (&l)[2], float scale_log2,
+                                                             const bool (&sees)[2], int lane) {
+  OnlineSoftmaxLazyRescaleImpl<D, kN, true>(s, o, m, l, scale_log2, [](int, int) { return true; }, sees, lane);
 }
 
 // One step of the forward over keys [key0, key0 + count) (count <= kN) whose rows start at

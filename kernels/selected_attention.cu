@@ -332,6 +332,11 @@ struct ChosenBlocksWalk {
   __device__ bool EveryRowSeesAll(int blk, int key0, int count) const {
     return (chosen[blk] & all_rows) == all_rows && key0 + count - 1 <= t0;
   }
+  // A block wholly before the CTA's first position: each row sees all of it (its position
+  // chose it) or none (CTA-uniform), so the forward tests rows, not scores (RowSees).
+  static constexpr bool kWholeBlockRows = true;
+  __device__ bool RowsSeeWholeBlock(int key0, int count) const { return key0 + count - 1 <= t0; }
+  __device__ bool RowSees(int blk, int pos) const { return ((chosen[blk] >> pos) & 1u) != 0u; }
   // Block-relative keys [lo, hi] that row (pos, t) sees: the causal ones if the position
   // chose the block, none otherwise.
   __device__ void RowKeys(int blk, int pos, int t, int key0, int count, int& lo, int& hi) const {

@@ -174,6 +174,10 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
 //                                     position t (t0 + pos) attends, one range per row
 //                                     (empty when lo > hi): worked out once per row and
 //                                     block instead of a test per score
+//   kWholeBlockRows                   static: whether the two below exist (the warpgroup-MMA
+//                                     kernel's per-row mask)
+//   RowsSeeWholeBlock(key0, count)    CTA-uniform: each row sees all of a full block or none
+//   RowSees(blk, pos)                 then, whether the row of position t0 + pos sees it
 // The block-relative keys [lo, hi] (empty when lo > hi) each of the lane's rows attends in
 // block blk: the whole block when every row sees all of it, else the walk's RowKeys. Worked
 // out once per row and block, so the softmax's mask is two compares per score.
@@ -203,28 +207,25 @@ struct TiledCfg {
   static int PositionsPerCta(int hq) { return std::min(kMaxPositions, kRows / hq); }
 };
 
-// Issues the copies of walk block blk's K and V rows of (b, grp) into the stage at smem
-// address dst: the K tile, then the V tile kN D 16-bit elements on (rows past the block's
-// count zero-filled). The caller commits.
-template <int D, int kN, int kCtaThreads, typename scalar_t, typename Walk>
-__device__ __forceinline__ void StageWalkBlock(uint32_t dst, const scalar_t* k, const scalar_t* v, const Shape& s,
-                                               const Walk& walk, int b, int grp, int blk) {
-  const int key0 = walk.Start(blk), count = walk.Count(s, blk);
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
-  mma::StageTileAsync<D, kN, kCtaThreads>(dst, k + KeyOffset(s, b, key0, grp), kv_stride, count);
-  mma::StageTileAsync<D, kN, kCtaThreads>(dst + kN * D * 2, v + KeyOffset(s, b, key0, grp), kv_stride, count);
-}
-
 // The block walk both tiled kernels share: each of the walk's blocks is staged into one of two
-// stages at smem_base (the next block's copy issued once this one has landed, so it overlaps
-// this block's products), then body(blk, stage address) runs on it. kTensorCores: the stages
-// are read by warpgroup MMAs, so each thread fences its copies for them before the barrier.
+// stages at smem_base (K tile, then V tile; the next block's copy issued once this one has
+// landed, so it overlaps this block's products), then body(blk, stage address) runs on it.
+// kTensorCores: the stages are read by warpgroup MMAs, so each thread fences its copies for
+// them before the barrier.
 template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk,
           typename Body>
 __device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
                                                  const Shape& s, const Walk& walk, int b, int grp, Body&& body) {
+  const int kv_stride = s.G * D;
+  const mma::TileCopyPlan<D, kN, kCtaThreads> plan(kv_stride);
+  const scalar_t* const k_bg = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* const v_bg = v + KeyOffset(s, b, 0, grp);
   const auto stage = [&](int blk, int buf) {
-    StageWalkBlock<D, kN, kCtaThreads>(smem_base + buf * kStageBytes, k, v, s, walk, b, grp, blk);
+    const int64_t first_row = static_cast<int64_t>(walk.Start(blk)) * kv_stride;
+    const int count = walk.Count(s, blk);
+    const uint32_t dst = smem_base + buf * kStageBytes;
+    plan.Issue(dst, k_bg + first_row, count);
+    plan.Issue(dst + kN * D * 2, v_bg + first_row, count);
   };
   int blk = walk.First();
   if (blk >= 0) stage(blk, 0);
@@ -294,7 +295,9 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 // m16 tile (r % 64) / 16. Per block, each warpgroup
 //   S = Q K^T    four m64n64k16 steps, Q's A fragments in registers, K read by the tensor
 //                cores from the staged tile (K-major);
-//   softmax      the mma.sync kernels' online softmax on S's fragments (same layout);
+//   softmax      the online softmax on S's fragments (same layout as mma.sync's) with the
+//                lazy rescale (mma::OnlineSoftmaxLazyRescale); its mask per score, per row
+//                (the walk's kWholeBlockRows blocks), or none (blocks every row sees whole);
 //   O += P V     four steps, P packed from S in registers, V read from the staged tile
 //                MN-major (the instruction transposes it).
 // The copies stay cp.async (double buffered, as above), fenced for the tensor cores' reads.
@@ -361,12 +364,22 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
       wgmma::Commit();
       wgmma::Wait<0>();
       wgmma::FenceRegisters(sc);
+      bool whole_block_rows = false;  // CTA-uniform: each row sees all of the block or none
+      if constexpr (Walk::kWholeBlockRows) whole_block_rows = count == kN && walk.RowsSeeWholeBlock(key0, count);
       if (every_row && count == kN) {  // CTA-uniform: no test per score
-        mma::OnlineSoftmax<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, [](int, int) { return true; }, lane);
+        mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
+                                             [](int, int) { return true; }, lane);
+      } else if (whole_block_rows) {
+        bool sees[2] = {false, false};
+        if constexpr (Walk::kWholeBlockRows) {
+          sees[0] = walk.RowSees(blk, lr.pos[0][0]);
+          sees[1] = walk.RowSees(blk, lr.pos[0][1]);
+        }
+        mma::OnlineSoftmaxLazyRescaleRows<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, sees, lane);
       } else {
         int lo[1][2], hi[1][2];
         RowKeyRanges<1>(walk, lr, t0, blk, key0, count, every_row, lo, hi);
-        mma::OnlineSoftmax<D, kN>(
+        mma::OnlineSoftmaxLazyRescale<D, kN>(
             sc, st.o[0], st.m[0], st.l[0], scale_log2,
             [&](int h, int key) { return key >= lo[0][h] && key <= hi[0][h]; }, lane);
       }

@@ -44,6 +44,7 @@ struct WindowWalk {
   __device__ bool EveryRowSeesAll(int, int key0, int count) const {
     return key0 > t_last - window && key0 + count - 1 <= t0;
   }
+  static constexpr bool kWholeBlockRows = false;  // rows see ranges of a block (see ChosenBlocksWalk)
   // Block-relative keys [lo, hi] that row t sees: keys (t - window, t].
   __device__ void RowKeys(int, int, int t, int key0, int count, int& lo, int& hi) const {
     const int d = t - key0;  // (d >= window first: no overflow for any window)

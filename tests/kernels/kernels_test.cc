@@ -909,6 +909,48 @@ TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
   }
 }
 
+// Keys scaled by 1 + min(t, 255) / 16 make each of the first four 64-key blocks' row maxima
+// rise about 14 (log2 units, D = 64) above the last block's, so the tiled forward's lazy
+// rescale (mma::OnlineSoftmaxLazyRescale, which moves its reference only past a rise of 8)
+// rescales block after block; scaled by 1 + max(0, 255 - t) / 16 instead, the first blocks
+// set the reference and later p are small. The ramp stops at 17x, which keeps the top two
+// scores of a row far apart compared with the rounding of bf16 scores. Selected (tiled walk)
+// and window forwards on each MMA kind, against the float32 references.
+TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
+  using Mma = cuda::detail::TiledForwardChoice::Mma;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto fopts = Opts().dtype(torch::kFloat);
+  const auto t = torch::arange(c.T, fopts).view({1, c.T, 1, 1});
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto k_unit = torch::randn({kBatch, c.T, c.G, c.D}, fopts);
+  const auto idx = cuda::SelectBlocks(torch::rand({kBatch, c.T, c.G, NS}, fopts), c.T, geo_);
+  cuda::detail::SelectedKernelChoice tiled;
+  tiled.fwd = cuda::detail::SelectedKernelChoice::Fwd::kTiled;
+  for (const bool rising : {true, false}) {
+    const auto ramp = rising ? t.clamp_max(255) : (255 - t).clamp_min(0);
+    const auto k = (k_unit * (1 + ramp / 16)).to(c.dtype);
+    const auto q32 = q.to(torch::kFloat), k32 = k.to(torch::kFloat), v32 = v.to(torch::kFloat);
+    const auto selected_ref = SelectedAttentionReference(q32, k32, v32, idx, geo_);
+    const auto window_ref = SlidingWindowAttentionReference(q32, k32, v32, geo_);
+    for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
+      if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+      SCOPED_TRACE(std::string(rising ? "rising" : "falling") + (mma == Mma::kSync ? ", mma.sync" : ", wgmma"));
+      const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
+      {
+        const cuda::detail::ScopedSelectedKernelChoice force(tiled);
+        Poison();
+        ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), selected_ref, "selected");
+      }
+      const cuda::detail::ScopedWindowKernelChoice force({cuda::detail::WindowKernelChoice::Forward::kTiled});
+      Poison();
+      ExpectClose(cuda::SlidingWindowAttention(q, k, v, geo_), window_ref, "window");
+    }
+  }
+}
+
 // The warpgroup-MMA tiled forward is a head_dim-64 kernel: forcing it elsewhere fails the
 // call instead of running mma.sync.
 TEST_P(KernelsTest, TiledForwardRejectsWgmmaItCannotRun) {
