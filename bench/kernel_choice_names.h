@@ -38,7 +38,8 @@ constexpr std::pair<const char*, WindowChoice::Backward> kWinBwdNames[] = {
     {"auto", WindowChoice::Backward::kAuto}, {"flash", WindowChoice::Backward::kFlash},
     {"wgmma", WindowChoice::Backward::kWgmma}};
 constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
-    {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma}};
+    {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma},
+    {"wgmma1", TiledChoice::Mma::kWgmmaOneWarpgroup}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
     {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {

@@ -6,7 +6,7 @@
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product]
-//             [--tiled-mma auto|sync|wgmma]
+//             [--tiled-mma auto|sync|wgmma|wgmma1]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -21,9 +21,9 @@
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
 // FlashAttention-2 instead of the tiled kernel and --win-bwd flash its backward on
 // FlashAttention-2 instead of the warpgroup-MMA kernel, --win-qpc N sets that kernel's
-// positions per work item (WindowKernelChoice); --tiled-mma sync|wgmma
+// positions per work item (WindowKernelChoice); --tiled-mma sync|wgmma|wgmma1
 // runs the tiled forward (the selected branch's and the window's) on mma.sync or on
-// warpgroup MMAs (TiledForwardChoice). The default is the
+// warpgroup MMAs, CTAs of two warpgroups or of one (TiledForwardChoice). The default is the
 // dispatch training uses. Choices print first.
 //
 // bf16, batch --batch (default 1), default NSA geometry (l=32, d=16, l'=64, n=16, w=512). Times are medians of

@@ -113,7 +113,10 @@ WindowKernelChoice GetWindowKernelChoice();
 // TiledFwdWgmmaKernel (sm_90a, bf16/fp16, head_dim 64), kSync mma.sync (TiledFwdKernel, the
 // path before). kAuto takes kWgmma wherever it can run.
 struct TiledForwardChoice {
-  enum class Mma { kAuto, kSync, kWgmma };
+  // kWgmmaOneWarpgroup (auto's): CTAs of one warpgroup (64 rows), four per SM, each on its own
+  // barrier; kWgmma: CTAs of two (128 rows) that share each staged block but meet at every
+  // block's barrier (kept for A/B timings: 4-7% slower window and selected forwards).
+  enum class Mma { kAuto, kSync, kWgmma, kWgmmaOneWarpgroup };
   Mma mma = Mma::kAuto;
 };
 

@@ -29,14 +29,15 @@ TiledForwardChoice GetTiledForwardChoice() { return {tiled_choice.load()}; }
 
 namespace smem_fwd {
 
-bool UseTiledWgmma(const at::Tensor& q) {
+int TiledWgmmaWarpgroups(const at::Tensor& q) {
   const auto mma = tiled_choice.load();
-  if (mma == TiledForwardChoice::Mma::kSync) return false;
-  const bool applies = q.scalar_type() != at::kFloat && q.size(3) == TiledWgmmaCfg::kD && WgmmaRunsHere();
-  TORCH_CHECK(mma != TiledForwardChoice::Mma::kWgmma || applies,
+  if (mma == TiledForwardChoice::Mma::kSync) return 0;
+  const bool applies = q.scalar_type() != at::kFloat && q.size(3) == kTiledWgmmaD && WgmmaRunsHere();
+  TORCH_CHECK(mma == TiledForwardChoice::Mma::kAuto || applies,
               "TiledForwardChoice: the warpgroup-MMA tiled forward takes bf16/fp16 with head_dim 64 on an sm_90 "
               "device (kernels built for sm_90a)");
-  return applies;
+  if (!applies) return 0;
+  return mma == TiledForwardChoice::Mma::kWgmma ? 2 : 1;
 }
 
 }  // namespace smem_fwd

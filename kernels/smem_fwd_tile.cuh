@@ -289,10 +289,11 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 }
 
 // ---------------------------------------------------------------------------------------
-// The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64): two warpgroups of
-// 64 rows each, so a CTA still owns kRows = 128 rows and walks the same blocks. Row r of the
-// CTA is warp r / 16's row (LaneRows<1> with the CTA's warp index): warpgroup r / 64, its
-// m16 tile (r % 64) / 16. Per block, each warpgroup
+// The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64): kWarpgroups of 64
+// rows each, so a CTA owns kRows = 64 or 128 rows (one warpgroup is the default: four
+// independent CTAs per SM overlap each other's phases better than two whose warpgroups meet
+// at every block's barrier). Row r of the CTA is warp r / 16's row (LaneRows<1> with the
+// CTA's warp index): warpgroup r / 64, its m16 tile (r % 64) / 16. Per block, each warpgroup
 //   S = Q K^T    four m64n64k16 steps, Q's A fragments in registers, K read by the tensor
 //                cores from the staged tile (K-major);
 //   softmax      the online softmax on S's fragments (same layout as mma.sync's) with the
@@ -303,30 +304,34 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 // The copies stay cp.async (double buffered, as above), fenced for the tensor cores' reads.
 // The four warps of a warpgroup issue each MMA together, so a warpgroup with no valid row
 // skips the products as a whole; one with some valid rows computes the invalid ones on Q = 0.
-// Whether the tiled forward of q runs TiledFwdWgmmaKernel (TiledForwardChoice,
-// kernel_choice.h): forced, or by default wherever it can run (bf16/fp16, head_dim 64, an
-// sm_90 device, kernels built for sm_90a). A forced choice that cannot run fails the call.
-bool UseTiledWgmma(const at::Tensor& q);
+// Whether the tiled forward of q runs TiledFwdWgmmaKernel, and with CTAs of how many
+// warpgroups (TiledForwardChoice, kernel_choice.h): 0 for mma.sync; by default one wherever
+// the kernel can run (bf16/fp16, head_dim 64, an sm_90 device, kernels built for sm_90a). A
+// forced choice that cannot run fails the call.
+constexpr int kTiledWgmmaD = 64;
+int TiledWgmmaWarpgroups(const at::Tensor& q);
 
+template <int kWarpgroups_>
 struct TiledWgmmaCfg {
-  static constexpr int kD = 64;
-  static constexpr int kWarpgroups = 2;
+  static constexpr int kD = kTiledWgmmaD;
+  static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kThreads = kWarpgroups * wgmma::kWarpgroupThreads;
-  static constexpr int kRows = 64 * kWarpgroups;  // 128, as TiledCfg's
+  static constexpr int kRows = 64 * kWarpgroups;
+  static constexpr int kCtasPerSm = 4 / kWarpgroups;  // 128 registers a thread
   static constexpr int kN = 64;
   static constexpr int kTileBytes = kN * kD * 2;     // 8 KB: a multiple of the swizzle's 1 KB
   static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB.
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static_assert(kRows == TiledCfg<64>::kRows, "one walk, one CTA row count for both kernels");
+  static int PositionsPerCta(int hq) { return std::min(TiledCfg<kD>::kMaxPositions, kRows / hq); }
 };
 
-template <typename scalar_t, typename Walk>
-__global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
+template <typename scalar_t, typename Walk, int kWarpgroups>
+__global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgmmaCfg<kWarpgroups>::kCtasPerSm)
     TiledFwdWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                         const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse, Shape s,
                         Walk walk, int positions_per_cta, float scale_log2) {
-  using Cfg = TiledWgmmaCfg;
+  using Cfg = TiledWgmmaCfg<kWarpgroups>;
   constexpr int D = Cfg::kD, kN = Cfg::kN;
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float4 tiled_smem[];  // [slack][2 stages][K tile, V tile], then the walk's data
@@ -401,15 +406,17 @@ __global__ void __launch_bounds__(TiledWgmmaCfg::kThreads, 2)
   Finish<kBf16, D, 1>(st, out, lse, lr.index, lr.valid, lane);
 }
 
-// Launches the tiled forward (TiledFwdKernel, or TiledFwdWgmmaKernel where UseTiledWgmma
-// says so) over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32 in log2 units
+// Launches the tiled forward (TiledFwdKernel, or TiledFwdWgmmaKernel where
+// TiledWgmmaWarpgroups says so) over [B,T,H,D] q (k, v: [B,T,G,D]); out like q, lse [B,T,H] float32 in log2 units
 // (+inf for a row that saw no key).
 template <typename scalar_t, int D, typename Walk>
 void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const Shape& s, const Walk& walk, int walk_smem_bytes) {
   using Cfg = TiledCfg<D>;
-  TORCH_CHECK(s.hq() <= Cfg::kRows, "tiled attention forward: at most ", Cfg::kRows, " heads per group, got ", s.hq());
-  const int per_cta = Cfg::PositionsPerCta(s.hq());
+  const int warpgroups = TiledWgmmaWarpgroups(q);  // 0 (mma.sync) but at D = 64
+  const int max_rows = warpgroups == 1 ? TiledWgmmaCfg<1>::kRows : Cfg::kRows;
+  TORCH_CHECK(s.hq() <= max_rows, "tiled attention forward: at most ", max_rows, " heads per group, got ", s.hq());
+  const int per_cta = warpgroups == 1 ? TiledWgmmaCfg<1>::PositionsPerCta(s.hq()) : Cfg::PositionsPerCta(s.hq());
   const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
@@ -417,13 +424,14 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
     LaunchKernel(kernel, grid, threads, smem, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                  out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
   };
-  const bool wgmma = UseTiledWgmma(q);  // true only at D = 64
-  if constexpr (D == TiledWgmmaCfg::kD) {
-    if (wgmma) {
-      using W = TiledWgmmaCfg;
-      return launch(TiledFwdWgmmaKernel<scalar_t, Walk>, W::kThreads,
-                    W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes);
-    }
+  if constexpr (D == kTiledWgmmaD) {
+    const auto launch_wgmma = [&](auto cfg) {
+      using W = decltype(cfg);
+      launch(TiledFwdWgmmaKernel<scalar_t, Walk, W::kWarpgroups>, W::kThreads,
+             W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes);
+    };
+    if (warpgroups == 1) return launch_wgmma(TiledWgmmaCfg<1>{});
+    if (warpgroups == 2) return launch_wgmma(TiledWgmmaCfg<2>{});
   }
   launch(TiledFwdKernel<scalar_t, D, Walk>, Cfg::kThreads, 2 * Cfg::kStageBytes + walk_smem_bytes);
 }

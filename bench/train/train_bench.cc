@@ -15,7 +15,7 @@
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma] [--gate-stats 0]
+//               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -32,7 +32,7 @@
 // for A/B runs of the training step in one invocation, and --win-fwd the window branch's
 // forward (the tiled kernel or FlashAttention-2's), --win-bwd its backward (the warpgroup-MMA
 // kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
-// instructions (mma.sync or warpgroup MMAs); auto (the default) is the dispatch training
+// instructions (mma.sync or warpgroup MMAs, CTAs of two warpgroups or of one); auto (the default) is the dispatch training
 // uses.
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,

@@ -53,6 +53,11 @@ std::string Name(const testing::TestParamInfo<Case>& info) {
 
 constexpr int64_t kBatch = 2;
 
+const char* MmaName(cuda::detail::TiledForwardChoice::Mma mma) {
+  using Mma = cuda::detail::TiledForwardChoice::Mma;
+  return mma == Mma::kSync ? "mma.sync" : mma == Mma::kWgmma ? "wgmma, two warpgroups" : "wgmma, one warpgroup";
+}
+
 class KernelsTest : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -866,9 +871,9 @@ TEST_P(KernelsTest, TiledForwardOnEachMmaKind) {
   using Mma = cuda::detail::TiledForwardChoice::Mma;
   const Case c = GetParam();
   if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
-  for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
-    if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
-    SCOPED_TRACE(mma == Mma::kSync ? "mma.sync" : "wgmma");
+  for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+    if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
     {
       cuda::detail::SelectedKernelChoice tiled;
@@ -897,9 +902,9 @@ TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
   const auto own_v = v.repeat_interleave(hq, 2), own_k = k.repeat_interleave(hq, 2);
   const double scale_log2 = 1.0 / std::sqrt(static_cast<double>(c.D)) / std::log(2.0);
   const auto score = (q.to(torch::kDouble) * own_k.to(torch::kDouble)).sum(-1) * scale_log2;
-  for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
-    if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
-    SCOPED_TRACE(mma == Mma::kSync ? "mma.sync" : "wgmma");
+  for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+    if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
     Poison();
     const auto [out, lse] = cuda::detail::WindowForward(q, k, v, 1);
@@ -935,9 +940,9 @@ TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
     const auto q32 = q.to(torch::kFloat), k32 = k.to(torch::kFloat), v32 = v.to(torch::kFloat);
     const auto selected_ref = SelectedAttentionReference(q32, k32, v32, idx, geo_);
     const auto window_ref = SlidingWindowAttentionReference(q32, k32, v32, geo_);
-    for (const Mma mma : {Mma::kSync, Mma::kWgmma}) {
-      if (mma == Mma::kWgmma && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
-      SCOPED_TRACE(std::string(rising ? "rising" : "falling") + (mma == Mma::kSync ? ", mma.sync" : ", wgmma"));
+    for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+      if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+      SCOPED_TRACE(std::string(rising ? "rising, " : "falling, ") + MmaName(mma));
       const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
       {
         const cuda::detail::ScopedSelectedKernelChoice force(tiled);
