@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> WindowBackward(const at::Tensor& 
                                                               const at::Tensor& out, const at::Tensor& lse,
                                                               int64_t window, at::Tensor* dq_sum = nullptr,
                                                               const at::Tensor& delta = {});
-// Checks that dq_sum is a float32 tensor shaped like q on q's device.
+// Checks that dq_sum is a contiguous, 16-byte-aligned float32 tensor shaped like q on q's device.
 void CheckDqSum(const at::Tensor& dq_sum, const at::Tensor& q);
 // Whether the window backward runs WindowBackward (WindowKernelChoice); a forced kWgmma that
 // cannot run fails.

@@ -211,6 +211,8 @@ void CheckDqSum(const at::Tensor& dq_sum, const at::Tensor& q) {
   TORCH_CHECK(dq_sum.scalar_type() == at::kFloat && dq_sum.sizes() == q.sizes() && dq_sum.is_contiguous() &&
                   dq_sum.device() == q.device(),
               "dq_sum must be a contiguous float32 tensor shaped like q on its device");
+  // The backwards add into it with 16-byte atomics (float4 rows of 4 columns).
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(dq_sum.data_ptr()) % 16 == 0, "dq_sum must be 16-byte aligned");
 }
 
 }  // namespace nsad::nsa::cuda::detail

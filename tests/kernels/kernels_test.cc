@@ -828,6 +828,33 @@ TEST_P(KernelsTest, WgmmaWindowBackwardWindowOfOne) {
   ExpectClose(dk, torch::zeros_like(dk), "dk");
 }
 
+// The float32 sum the node's backwards add dq into must be 16-byte aligned: the backwards add
+// into it with 16-byte atomics. A view one float into a buffer is refused with an error that
+// names it instead of running a misaligned 16-byte atomic (a sticky CUDA error for the whole
+// process); the aligned view of the same buffer takes the same dq as a backward without a
+// sum.
+TEST_P(KernelsTest, WindowBackwardRefusesAMisalignedDqSum) {
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto dout = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto [out, lse] = cuda::detail::WindowForward(q, k, v, geo_.window);
+  const auto buffer = torch::zeros({q.numel() + 4}, Opts().dtype(torch::kFloat));
+  auto misaligned = buffer.narrow(0, 1, q.numel()).view(q.sizes());
+  try {
+    cuda::detail::WindowBackward(dout, q, k, v, out, lse, geo_.window, &misaligned);
+    ADD_FAILURE() << "a backward into a misaligned dq_sum ran";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dq_sum must be 16-byte aligned"), std::string::npos) << e.what();
+  }
+  auto aligned = buffer.narrow(0, 4, q.numel()).view(q.sizes());
+  cuda::detail::WindowBackward(dout, q, k, v, out, lse, geo_.window, &aligned);
+  const auto [dq, dk, dv] = cuda::detail::WindowBackward(dout, q, k, v, out, lse, geo_.window);
+  ExpectClose(aligned, dq.to(torch::kFloat), "dq_sum");
+}
+
 // The warpgroup-MMA window backward with other slices of a key block's positions per work
 // item: one position (a slice per position, every dK/dV row added from many CTAs), 24, and
 // the most a CTA holds (320: one or two slices per block); out of range fails the call.
