@@ -377,13 +377,12 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
   const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
   const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
   const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
   const auto stage = [&](int tile) {
     const int key0 = tile * kN, count = min(kN, vis_end - key0);
     const uint32_t buf = smem_base + (tile & 1) * kStageBytes;
-    mma::StageTileAsync<D, kN, Cfg::kThreads>(buf, k_base + key0 * kv_stride, kv_stride, count);
-    if constexpr (!kImportance)
-      mma::StageTileAsync<D, kN, Cfg::kThreads>(buf + Cfg::kTileBytes, v_base + key0 * kv_stride,
-                                                 kv_stride, count);
+    copy_plan.Issue(buf, k_base + key0 * kv_stride, count);
+    if constexpr (!kImportance) copy_plan.Issue(buf + Cfg::kTileBytes, v_base + key0 * kv_stride, count);
   };
 
   // Forward state (unused by the importance pass; the compiler drops it there).

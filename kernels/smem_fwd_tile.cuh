@@ -4,8 +4,9 @@
 // registers, standard m16n8k16 layout); each tile of kN keys sits in shared memory as
 // swizzled D-element rows (mma::StageTileAsync) and is read with ldmatrix:
 //   Scores:    S = Q K^T (ldmatrix of K rows: B fragments of two k16 steps per load)
-//   SoftmaxPV: online softmax of S under a per-element mask, then O += P V (ldmatrix.trans
-//              of V rows), P rounded to the input type as FlashAttention does
+//   SoftmaxPV: online softmax of S under a per-element mask (mma::OnlineSoftmaxLazyRescale),
+//              then O += P V (ldmatrix.trans of V rows), P rounded to the input type as
+//              FlashAttention does
 //   Finish:    O / l and the row's log2-sum-exp (+inf, with a zero row, when it saw nothing)
 #pragma once
 
@@ -116,8 +117,8 @@ __device__ __forceinline__ void SoftmaxPV(State<D, kM>& st, float (&sc)[kM][kN /
                                           float scale_log2, Allowed allowed, int lane) {
 #pragma unroll
   for (int t = 0; t < kM; ++t) {
-    mma::OnlineSoftmax<D, kN>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
-                              [&](int h, int key) { return allowed(t, h, key); }, lane);
+    mma::OnlineSoftmaxLazyRescale<D, kN>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
+                                         [&](int h, int key) { return allowed(t, h, key); }, lane);
   }
   // P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
   // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).

@@ -947,7 +947,9 @@ TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
 // rescales block after block; scaled by 1 + max(0, 255 - t) / 16 instead, the first blocks
 // set the reference and later p are small. The ramp stops at 17x, which keeps the top two
 // scores of a row far apart compared with the rounding of bf16 scores. Selected (tiled walk)
-// and window forwards on each MMA kind, against the float32 references.
+// and window forwards on each MMA kind, against the float32 references; and the compressed
+// forward on our shared-memory kernel (the same online softmax, mma.sync), its compressed
+// keys ramped 4x as fast so that rows see the rise across its 64-key tiles at these lengths.
 TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
   using Mma = cuda::detail::TiledForwardChoice::Mma;
   const Case c = GetParam();
@@ -980,6 +982,18 @@ TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
       Poison();
       ExpectClose(cuda::SlidingWindowAttention(q, k, v, geo_), window_ref, "window");
     }
+    const int64_t N = NumCmpBlocks(c.T, geo_);
+    const auto n = torch::arange(N, fopts).view({1, N, 1, 1});
+    const auto cmp_ramp = rising ? n.clamp_max(255) : (255 - n).clamp_min(0);
+    const auto kc = (torch::randn({kBatch, N, c.G, c.D}, fopts) * (1 + cmp_ramp / 4)).to(c.dtype);
+    const auto vc = torch::randn({kBatch, N, c.G, c.D}, Opts());
+    const auto cmp_ref = CompressedAttentionReference(q32, kc.to(torch::kFloat), vc.to(torch::kFloat), geo_);
+    cuda::detail::CompressedKernelChoice own;
+    own.path = cuda::detail::CompressedKernelChoice::Path::kOwn;
+    const cuda::detail::ScopedCompressedKernelChoice force(own);
+    SCOPED_TRACE(rising ? "compressed, rising" : "compressed, falling");
+    Poison();
+    ExpectClose(cuda::CompressedAttention(q, kc, vc, geo_).out, cmp_ref.out, "compressed");
   }
 }
 
