@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <cstdio>
@@ -103,6 +104,13 @@ class KernelsTest : public testing::TestWithParam<Case> {
     }
     std::printf("    %-10s rel err %.2e\n", what.c_str(), err_norm / ref_norm);
     EXPECT_LT(err_norm / ref_norm, Tolerance()) << what << " relative error";
+  }
+
+  // Random q and dout [kBatch, T, H, D], k and v [kBatch, T, G, D] of the case, no gradients.
+  std::array<torch::Tensor, 4> RandomAttentionInputs() const {
+    const Case c = GetParam();
+    return {torch::randn({kBatch, c.T, c.H, c.D}, Opts()), torch::randn({kBatch, c.T, c.G, c.D}, Opts()),
+            torch::randn({kBatch, c.T, c.G, c.D}, Opts()), torch::randn({kBatch, c.T, c.H, c.D}, Opts())};
   }
 
   void CheckSelectedAttention();
@@ -815,10 +823,7 @@ TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
 TEST_P(KernelsTest, WgmmaWindowBackwardWindowOfOne) {
   const Case c = GetParam();
   if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
-  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto dout = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto [q, k, v, dout] = RandomAttentionInputs();
   const auto [out, lse] = cuda::detail::WindowForward(q, k, v, 1);
   Poison();
   const auto [dq, dk, dv] = cuda::detail::WindowBackward(dout, q, k, v, out, lse, 1);
@@ -836,10 +841,7 @@ TEST_P(KernelsTest, WgmmaWindowBackwardWindowOfOne) {
 TEST_P(KernelsTest, WindowBackwardRefusesAMisalignedDqSum) {
   const Case c = GetParam();
   if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
-  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto dout = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto [q, k, v, dout] = RandomAttentionInputs();
   const auto [out, lse] = cuda::detail::WindowForward(q, k, v, geo_.window);
   const auto buffer = torch::zeros({q.numel() + 4}, Opts().dtype(torch::kFloat));
   auto misaligned = buffer.narrow(0, 1, q.numel()).view(q.sizes());
