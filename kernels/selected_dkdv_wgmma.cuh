@@ -80,6 +80,9 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
                                                   int lane) {
   const int c = lane & 3;
   const bool odd = c & 1;
+  // The lane's first quad; the others are 16 columns (4 float4) apart, so each add's address
+  // is an immediate offset from one pointer instead of 64-bit index arithmetic per add.
+  float4* const quads = reinterpret_cast<float4*>(row + 8 * odd + 4 * (c >> 1));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float a0 = d[2 * i][2 * h], a1 = d[2 * i][2 * h + 1];
@@ -89,7 +92,7 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
     if (!add) continue;
     const float4 quad = odd ? make_float4(x0 * mul, x1 * mul, b0 * mul, b1 * mul)
                             : make_float4(a0 * mul, a1 * mul, x0 * mul, x1 * mul);
-    atomicAdd(reinterpret_cast<float4*>(row + 16 * i + 8 * odd + 4 * (c >> 1)), quad);
+    atomicAdd(quads + 4 * i, quad);
   }
 }
 
