@@ -115,7 +115,7 @@ WindowKernelChoice GetWindowKernelChoice();
 struct TiledForwardChoice {
   // kWgmmaOneWarpgroup (auto's): CTAs of one warpgroup (64 rows), four per SM, each on its own
   // barrier; kWgmma: CTAs of two (128 rows) that share each staged block but meet at every
-  // block's barrier (kept for A/B timings: 4-7% slower window and selected forwards).
+  // block's barrier (kept for A/B timings; measured slower, docs/PERFORMANCE.md).
   enum class Mma { kAuto, kSync, kWgmma, kWgmmaOneWarpgroup };
   Mma mma = Mma::kAuto;
 };
