@@ -318,8 +318,9 @@ struct FwdState {
 // The online-softmax update of one m16 tile for a step of kN keys (s: its scores, C layout):
 // scores `allowed(half, key)` rejects become -inf, the running max m (log2 units) and the
 // lane's partial row sums l move on, O is rescaled, and s becomes P = exp2(s - max), ready
-// for the P V product. Shared by the register kernels (FwdStep) and the shared-memory ones
-// (smem_fwd_tile.cuh).
+// for the P V product. The register kernels' (FwdStep); the shared-memory forwards take
+// OnlineSoftmaxLazyRescale below. Moving FwdStep onto it too took ptxas's register counts
+// of those kernels from 168-190 to 254-255: not done without a measurement.
 template <int D, int kN, typename Allowed>
 __device__ __forceinline__ void OnlineSoftmax(float (&s)[kN / 8][4], float (&o)[D / 8][4], float (&m)[2],
                                               float (&l)[2], float scale_log2, Allowed allowed, int lane) {

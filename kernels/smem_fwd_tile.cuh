@@ -204,9 +204,11 @@ struct TiledCfg {
   static constexpr int kN = 64;                   // keys per tile
   static constexpr int kTileBytes = kN * D * 2;
   static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
-  static constexpr int kMaxPositions = 32;            // positions per CTA (one bit each for masks)
-  static int PositionsPerCta(int hq) { return std::min(kMaxPositions, kRows / hq); }
 };
+
+// Positions per CTA of a tiled kernel with `rows` (position, head) rows: all heads of a
+// position in one CTA, at most 32 positions (one bit each in the walks' masks).
+inline int TiledPositionsPerCta(int rows, int hq) { return std::min(32, rows / hq); }
 
 // The block walk both tiled kernels share: each of the walk's blocks is staged into one of two
 // stages at smem_base (K tile, then V tile; the next block's copy issued once this one has
@@ -324,7 +326,6 @@ struct TiledWgmmaCfg {
   static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB.
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static int PositionsPerCta(int hq) { return std::min(TiledCfg<kD>::kMaxPositions, kRows / hq); }
 };
 
 template <typename scalar_t, typename Walk, int kWarpgroups>
@@ -414,14 +415,13 @@ template <typename scalar_t, int D, typename Walk>
 void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const Shape& s, const Walk& walk, int walk_smem_bytes) {
   using Cfg = TiledCfg<D>;
-  const int warpgroups = TiledWgmmaWarpgroups(q);  // 0 (mma.sync) but at D = 64
-  const int max_rows = warpgroups == 1 ? TiledWgmmaCfg<1>::kRows : Cfg::kRows;
-  TORCH_CHECK(s.hq() <= max_rows, "tiled attention forward: at most ", max_rows, " heads per group, got ", s.hq());
-  const int per_cta = warpgroups == 1 ? TiledWgmmaCfg<1>::PositionsPerCta(s.hq()) : Cfg::PositionsPerCta(s.hq());
-  const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  const int warpgroups = TiledWgmmaWarpgroups(q);  // 0 (mma.sync) but at D = 64; a forced choice that cannot run throws
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
-  const auto launch = [&](auto kernel, int threads, int smem) {
+  // The grid follows the launched kernel's rows per CTA.
+  const auto launch = [&](auto kernel, int threads, int smem, int rows) {
+    TORCH_CHECK(s.hq() <= rows, "tiled attention forward: at most ", rows, " heads per group, got ", s.hq());
+    const int per_cta = TiledPositionsPerCta(rows, s.hq());
+    const dim3 grid(static_cast<unsigned>((s.T + per_cta - 1) / per_cta), s.G, s.B);
     LaunchKernel(kernel, grid, threads, smem, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                  out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
   };
@@ -429,12 +429,12 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const auto launch_wgmma = [&](auto cfg) {
       using W = decltype(cfg);
       launch(TiledFwdWgmmaKernel<scalar_t, Walk, W::kWarpgroups>, W::kThreads,
-             W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes);
+             W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes, W::kRows);
     };
     if (warpgroups == 1) return launch_wgmma(TiledWgmmaCfg<1>{});
     if (warpgroups == 2) return launch_wgmma(TiledWgmmaCfg<2>{});
   }
-  launch(TiledFwdKernel<scalar_t, D, Walk>, Cfg::kThreads, 2 * Cfg::kStageBytes + walk_smem_bytes);
+  launch(TiledFwdKernel<scalar_t, D, Walk>, Cfg::kThreads, 2 * Cfg::kStageBytes + walk_smem_bytes, Cfg::kRows);
 }
 
 }  // namespace nsad::nsa::cuda::detail::smem_fwd
