@@ -243,6 +243,47 @@ TEST(AdamWTest, FusedCudaPathAgreesWithTheCpuPathAndSkipsOnTheDevice) {
   }
 }
 
+// On CUDA the clip factor is applied inside the update kernel as each gradient is read: the
+// update is the CPU path's (which scales the gradients first) and the gradients keep their
+// values. The sizes cover several CTAs' chunks, tails shorter than four elements, a vector of
+// one element and a parameter that is not 16-byte aligned (one float into its storage).
+TEST(AdamWTest, FusedCudaStepClipsAsItReadsTheGradients) {
+  if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto o = Optim();
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> cpu = {torch::randn({70001}), torch::randn({257, 3}), torch::randn({1}),
+                                    torch::randn({4099})};
+  std::vector<torch::Tensor> gpu;
+  for (auto& p : cpu) {
+    p.requires_grad_(true);
+    gpu.push_back(p.detach().to(cuda).requires_grad_(true));
+  }
+  const auto misaligned_storage = torch::zeros({4100}, torch::TensorOptions().device(cuda));
+  misaligned_storage.narrow(0, 1, 4099).copy_(cpu[3].detach());
+  gpu[3] = misaligned_storage.narrow(0, 1, 4099).detach().requires_grad_(true);
+  ASSERT_NE(reinterpret_cast<uintptr_t>(gpu[3].data_ptr()) % 16, 0u);
+  AdamW on_cpu = AdamW::ForModel(cpu, o);
+  AdamW on_gpu = AdamW::ForModel(gpu, o);
+  for (int step = 0; step < 3; ++step) {
+    SetGrads(cpu, step);
+    std::vector<torch::Tensor> sent;
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      gpu[i].mutable_grad() = cpu[i].grad().to(cuda);
+      sent.push_back(gpu[i].grad().clone());
+    }
+    const auto cpu_norm = on_cpu.ClipGradNorm(o.grad_clip);
+    const auto gpu_norm = on_gpu.ClipGradNorm(o.grad_clip);
+    ASSERT_GT(cpu_norm.item<double>(), 10 * o.grad_clip) << "the clip must act";
+    on_cpu.Step(AdamW::NonFiniteFlag(torch::tensor(1.0), cpu_norm));
+    on_gpu.Step(AdamW::NonFiniteFlag(torch::tensor(1.0, torch::TensorOptions().device(cuda)), gpu_norm));
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      EXPECT_TRUE(torch::equal(gpu[i].grad(), sent[i])) << "step " << step << " gradient " << i;
+      EXPECT_TRUE(torch::allclose(gpu[i].cpu(), cpu[i], 1e-5, 1e-6)) << "step " << step << " parameter " << i;
+    }
+  }
+}
+
 // Checkpointing the fused path: the device step counts and moments survive Save/Load, and
 // the resumed optimizer continues bit for bit (the fused kernel is elementwise).
 TEST(AdamWTest, FusedCudaStateSavesAndResumesExactly) {

@@ -8,6 +8,10 @@
 #include <cmath>
 #include <string>
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
+#include "adamw.h"
+#endif
+
 namespace nsad {
 namespace {
 
@@ -44,6 +48,10 @@ AdamW::AdamW(std::vector<torch::Tensor> decay, std::vector<torch::Tensor> no_dec
   cpu_steps_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) model_order_.push_back(i);
   if (fused_) lr_tensor_ = torch::full({}, lr_, params_.front().options().dtype(torch::kFloat32));
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  // The gradients are not there yet; their shapes and dtype follow the parameters'.
+  own_kernel_ = fused_ && nsa::cuda::detail::FusedAdamWTakes(params_, params_, exp_avg_, exp_avg_sq_, steps_);
+#endif
 }
 
 AdamW AdamW::ForModel(const std::vector<torch::Tensor>& parameters, const OptimConfig& config) {
@@ -83,9 +91,12 @@ torch::Tensor AdamW::ClipGradNorm(double max_norm) {
     for (const auto& g : grads) norms.push_back(g.norm(2));
     total = norms.size() == 1 ? norms[0] : torch::stack(norms).norm(2);
   }
+  pending_clip_ = torch::Tensor();
   if (max_norm > 0) {
     const auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
-    if (fused_) {
+    if (own_kernel_) {
+      pending_clip_ = coef;  // Step()'s kernel scales the gradients as it reads them
+    } else if (fused_) {
       at::_foreach_mul_(grads, coef);
     } else {
       for (const auto& g : grads) g.mul_(coef);
@@ -129,11 +140,20 @@ void AdamW::StepFused(const torch::Tensor& found_inf) {
     } else {
       at::_foreach_add_(steps, 1.0);
     }
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    if (own_kernel_ && nsa::cuda::detail::FusedAdamWTakes(params, grads, exp_avg, exp_avg_sq, steps)) {
+      nsa::cuda::detail::FusedAdamW(params, grads, exp_avg, exp_avg_sq, steps, lr_tensor_, beta1_, beta2_,
+                               group.weight_decay, eps_, pending_clip_, found_inf);
+      continue;
+    }
+#endif
+    if (pending_clip_.defined()) at::_foreach_mul_(grads, pending_clip_);  // gradients the kernel does not take
     at::_fused_adamw_(params, grads, exp_avg, exp_avg_sq, /*max_exp_avg_sqs=*/{}, steps, lr_tensor_,
                       beta1_, beta2_, group.weight_decay, eps_, /*amsgrad=*/false,
                       /*maximize=*/false, /*grad_scale=*/std::nullopt,
                       found_inf.defined() ? std::optional<at::Tensor>(found_inf) : std::nullopt);
   }
+  pending_clip_ = torch::Tensor();
 }
 
 // torch::optim::AdamW::step for one parameter, op for op (amsgrad off).
@@ -152,6 +172,7 @@ void AdamW::StepPerTensor(const Group& group, size_t i) {
 }
 
 void AdamW::ZeroGrad() {
+  pending_clip_ = torch::Tensor();
   for (auto& p : params_) p.mutable_grad().reset();
 }
 

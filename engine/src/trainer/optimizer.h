@@ -4,8 +4,10 @@
 //
 // On CUDA everything stays on the device and launches a handful of multi-tensor kernels
 // instead of ~13 per parameter tensor (the m7c NSA model has 266): the total norm through
-// _foreach_norm, the clip through _foreach_mul_ with a device coefficient, the update through
-// ATen's fused AdamW kernel reading the learning rate from a device tensor. Nothing reads
+// _foreach_norm, and the update through our AdamW kernel (kernels/adamw.h), which reads the
+// learning rate and the clip factor from device tensors and scales each gradient as it reads
+// it (ATen's fused AdamW where that kernel is not built: the clip then goes through
+// _foreach_mul_). Nothing reads
 // the device from the host, so a whole training step can be captured in a CUDA graph. A
 // step is skipped on the device through `found_inf` (a float 0/1 scalar on the device): the
 // fused kernel then leaves weights and moments untouched and the step counts stay.
@@ -37,10 +39,12 @@ class AdamW {
   // kernel on the current stream (no host sync), so a replayed graph reads the new value.
   void SetLr(double lr);
 
-  // Scales all gradients by min(1, max_norm / (norm + 1e-6)) (max_norm <= 0: no clipping)
-  // and returns the total L2 norm as a float32 0-dim tensor on the parameters' device. No
-  // host sync. A non-finite norm makes the gradients non-finite; such a step must be
-  // skipped (found_inf).
+  // Clips the gradients for the next Step() by min(1, max_norm / (norm + 1e-6)) (max_norm
+  // <= 0: no clipping) and returns the total L2 norm as a float32 0-dim tensor on the
+  // parameters' device. No host sync. On the CPU the gradients are scaled here; on CUDA the
+  // factor stays on the device and Step()'s kernel scales each gradient as it reads it (the
+  // gradients themselves keep their values). A non-finite norm makes the update non-finite;
+  // such a step must be skipped (found_inf).
   torch::Tensor ClipGradNorm(double max_norm);
 
   // float32 0-dim tensor on the device: 1 if `loss` or `grad_norm` is not finite, else 0.
@@ -51,7 +55,7 @@ class AdamW {
   // their values.
   void Step(const torch::Tensor& found_inf = {});
 
-  void ZeroGrad();  // sets gradients to none
+  void ZeroGrad();  // sets gradients to none (and drops a clip factor not yet applied)
 
   void Save(torch::serialize::OutputArchive& archive) const;
   // Reads what Save wrote, or the archive of a torch::optim::AdamW over the same two groups
@@ -82,6 +86,10 @@ class AdamW {
   std::vector<size_t> model_order_;  // params_ indices in the model's parameter order
   double lr_ = 0, beta1_ = 0, beta2_ = 0, eps_ = 0;
   torch::Tensor lr_tensor_;  // CUDA only
+  // CUDA with our AdamW kernel: the factor of the last ClipGradNorm, for the next Step()
+  // (undefined: none).
+  torch::Tensor pending_clip_;
+  bool own_kernel_ = false;  // CUDA: the update runs kernels/adamw.h's kernel
   bool fused_ = false;
 };
 

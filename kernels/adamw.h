@@ -1,0 +1,32 @@
+// AdamW's update of a model's float32 parameters on the GPU in a few launches
+// (kernels/adamw.cu), for the optimizer's CUDA path (engine/src/trainer/optimizer.cc). Plain
+// ATen types.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace nsad::nsa::cuda::detail {
+
+// Whether FusedAdamW takes these tensors: float32, contiguous, CUDA, one device, the four
+// lists of equal length with equal shapes per index, each step a float32 scalar.
+bool FusedAdamWTakes(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
+                     const std::vector<at::Tensor>& steps);
+
+// One AdamW step with decoupled weight decay, the maths of ATen's _fused_adamw_: for each
+// tensor i, with g = grads[i] * grad_scale,
+//   p -= lr wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+//   p -= lr / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + eps)
+// where s = steps[i] (already advanced for this step) and lr, grad_scale and found_inf are
+// float32 device scalars read by the kernel (no host sync: CUDA graphs capture it).
+// grad_scale undefined means 1; the gradients are read, never written (ATen's grad_scale
+// divides them and writes them back, a pass over them that this one saves). A nonzero
+// found_inf (undefined: never) leaves every tensor as it was.
+void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
+                const std::vector<at::Tensor>& steps, const at::Tensor& lr, double beta1, double beta2,
+                double weight_decay, double eps, const at::Tensor& grad_scale, const at::Tensor& found_inf);
+
+}  // namespace nsad::nsa::cuda::detail
