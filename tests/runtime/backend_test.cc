@@ -15,6 +15,7 @@
 #include "model/shared_input_linear.h"
 #include "model/transformer.h"
 #include "model/weight_copies.h"
+#include "nsa/compress.h"
 #include "nsa/dispatch.h"
 #include "nsad/engine.h"
 
@@ -181,6 +182,91 @@ TEST_F(BackendTest, CudaGraphsSkipANonFiniteStepAndGoOn) {
     }
   }
   EXPECT_TRUE(std::isfinite(trainer->Evaluate()));
+}
+
+// CompressBlocksTogether on CUDA (its kernels between the GEMMs, kernels/compress_mlp.h:
+// float32 parameters, a bf16 or float32 compute type) computes what the composed reference
+// ops (CompressBlocks) compute in float64 on the CPU from the same rounded tokens: both
+// outputs and every gradient, for r = 1, 2, 4 and the model's l = 32, d = 16, hidden widths
+// that are not multiples of a warp, a partial last chunk, and one output without a gradient.
+TEST(CompressBlocksTogetherOnCuda, TheKernelsComputeWhatTheReferenceDoes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int64_t l, d, T, hidden, D;
+  };
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    const auto bd = b.to(torch::kDouble).cpu();
+    return ((a.to(torch::kDouble).cpu() - bd).norm() / bd.norm()).item<double>();
+  };
+  for (const auto& c : std::vector<Case>{{32, 16, 300, 128, 64}, {8, 4, 37, 6, 4}, {8, 8, 37, 40, 8}, {8, 2, 21, 33, 4}}) {
+    for (const auto ct : {torch::kBFloat16, torch::kFloat}) {
+      SCOPED_TRACE("l=" + std::to_string(c.l) + " d=" + std::to_string(c.d) + " T=" + std::to_string(c.T) +
+                   " ct=" + std::string(c10::toString(ct)));
+      torch::manual_seed(c.l * 1000 + c.d * 10 + c.T);
+      nsa::Geometry g;
+      g.cmp_block = c.l;
+      g.cmp_stride = c.d;
+      const int64_t B = 2, G = 2;
+      std::vector<nsa::Compressor> cpu, gpu;
+      std::vector<torch::Tensor> tokens_cpu, tokens_gpu, inputs_cpu, inputs_gpu;
+      for (int p = 0; p < 2; ++p) {
+        nsa::Compressor ref{torch::randn({c.l, c.D}, torch::kDouble) * 0.5, torch::nn::Linear(c.l * c.D, c.hidden),
+                            torch::nn::Linear(c.hidden, c.D)};
+        ref.first->to(torch::kDouble);
+        ref.second->to(torch::kDouble);
+        nsa::Compressor dev{ref.position_encoding.to(torch::kCUDA, torch::kFloat), torch::nn::Linear(c.l * c.D, c.hidden),
+                            torch::nn::Linear(c.hidden, c.D)};
+        dev.first->to(torch::kCUDA);
+        dev.second->to(torch::kCUDA);
+        {
+          torch::NoGradGuard no_grad;
+          dev.first->weight.copy_(ref.first->weight);
+          dev.first->bias.copy_(ref.first->bias);
+          dev.second->weight.copy_(ref.second->weight);
+          dev.second->bias.copy_(ref.second->bias);
+        }
+        ref.position_encoding.requires_grad_(true);
+        dev.position_encoding.requires_grad_(true);
+        const auto x = torch::randn({B, c.T, G, c.D}, torch::TensorOptions().device(torch::kCUDA)).to(ct);
+        tokens_gpu.push_back(x.clone().requires_grad_(true));
+        tokens_cpu.push_back(x.to(torch::kCPU, torch::kDouble).requires_grad_(true));
+        for (auto* side : {&ref, &dev}) {
+          auto& in = side == &ref ? inputs_cpu : inputs_gpu;
+          in.insert(in.end(), {(side == &ref ? tokens_cpu : tokens_gpu).back(), side->position_encoding,
+                               side->first->weight, side->first->bias, side->second->weight, side->second->bias});
+        }
+        cpu.push_back(ref);
+        gpu.push_back(dev);
+      }
+      const auto got = nsa::CompressBlocksTogether(tokens_gpu, gpu, g);
+      const double tol = ct == torch::kFloat ? 1e-4 : 2e-2;
+      std::vector<torch::Tensor> want;
+      for (int p = 0; p < 2; ++p) {
+        want.push_back(nsa::CompressBlocks(tokens_cpu[p], cpu[p].position_encoding, cpu[p].first, cpu[p].second, g));
+        ASSERT_EQ(got[p].scalar_type(), ct);
+        EXPECT_LT(rel(got[p], want[p]), tol) << "output " << p;
+      }
+      for (const bool both : {true, false}) {
+        const auto w0 = torch::randn_like(want[0]), w1 = torch::randn_like(want[1]);
+        auto got_loss = (got[0].to(torch::kDouble) * w0.to(torch::kCUDA)).sum();
+        auto want_loss = (want[0] * w0).sum();
+        if (both) {
+          got_loss = got_loss + (got[1].to(torch::kDouble) * w1.to(torch::kCUDA)).sum();
+          want_loss = want_loss + (want[1] * w1).sum();
+        }
+        const auto got_grads = torch::autograd::grad({got_loss}, inputs_gpu, {}, true, false, true);
+        const auto want_grads = torch::autograd::grad({want_loss}, inputs_cpu, {}, true, false, true);
+        for (size_t i = 0; i < inputs_gpu.size(); ++i) {
+          ASSERT_TRUE(got_grads[i].defined()) << "input " << i;
+          if (!want_grads[i].defined() || want_grads[i].norm().item<double>() == 0) {
+            EXPECT_EQ(got_grads[i].abs().max().item<double>(), 0) << "input " << i << " both=" << both;
+            continue;
+          }
+          EXPECT_LT(rel(got_grads[i], want_grads[i]), tol) << "input " << i << " both=" << both;
+        }
+      }
+    }
+  }
 }
 
 // On CUDA under bf16 autocast a linear layer's weight gradient comes out of the GEMM in

@@ -5,6 +5,10 @@
 #include "model/row_ops.h"
 #include "model/shared_input_linear.h"
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
+#include "compress_mlp.h"
+#endif
+
 namespace nsad::nsa {
 namespace {
 
@@ -46,12 +50,20 @@ torch::Tensor HiddenByChunks(const torch::Tensor& tokens, const torch::Tensor& p
 //
 // Forward, per compressor (batched over P):
 //   Xc [M,dD]       the tokens in chunks of d, rows (b, c, g)
-//   Ws [r*h,dD]     W1's r column slices, slice i = W1[:, i dD : (i+1) dD]
-//   Y = Xc Ws^T     [M, r*h]
-//   H[b,j,g] = sum_i Y[b, j+i, g, slice i] + (W1 flatten(pos) + b1)
+//   Y = Xc W1s^T    [M, h*r], W1s = W1 viewed [h*r, dD]: row (hh, i) is hidden unit hh's
+//                   column slice i (tokens i d .. i d + d - 1 of the block), so the GEMM
+//                   reads W1 as it lies
+//   H[b,j,g,hh] = sum_i Y[b, j+i, g, (hh, i)] + (W1 flatten(pos) + b1)
 //   out = silu(H) W2^T + b2
 // Backward: the transposes of the same products; dY is dH placed at each slice's shift (the
-// rest zero), and W1's gradient gets the bias path's outer product dH-sum x flatten(pos).
+// rest zero), so dY^T Xc is W1's gradient as it lies, plus the bias path's outer product
+// dH-sum x flatten(pos).
+//
+// The steps between the GEMMs (the parameters' casts and pos_bias, the chunk sum with silu,
+// silu's backward with the shifted placement and the bias sums, the position encodings'
+// gradients) run as the kernels of kernels/compress_mlp.h where those take the node (CUDA, a
+// 16-bit or float32 compute type, float32 parameters), else as the ATen code below, which is
+// their oracle.
 class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> {
  public:
   static constexpr int kParams = 5;  // pos, W1, b1, W2, b2
@@ -69,27 +81,16 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
     const auto opts = x0.options().dtype(ct);
 
     auto Xc = at::empty({P, B, chunks, G, d, D}, opts);
-    auto Ws = at::empty({P, r, h, dD}, opts);
-    auto W2c = at::empty({P, D, h}, opts);
-    auto b2c = at::empty({P, 1, D}, opts);
-    auto pos_bias = at::empty({P, h}, Param(in, P, 0, 1).options());
     for (int64_t p = 0; p < P; ++p) {
       CopyInWords(Xc[p], in[p].narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}).to(ct));
-      Ws[p].copy_(Param(in, P, p, 1).view({h, r, dD}).transpose(0, 1));
-      W2c[p].copy_(Param(in, P, p, 3));
-      b2c[p][0].copy_(Param(in, P, p, 4));
-      auto bias = pos_bias[p];
-      at::addmv_out(bias, Param(in, P, p, 2), Param(in, P, p, 1), Param(in, P, p, 0).reshape({-1}));
     }
-    const auto Y = at::bmm(Xc.view({P, M, dD}), Ws.view({P, r * h, dD}).transpose(1, 2))
-                       .view({P, B, chunks, G, r, h});
-    auto hidden = r == 1 ? Y.select(4, 0) : at::add(Y.select(4, 0).narrow(2, 0, N), Y.select(4, 1).narrow(2, 1, N));
-    for (int64_t i = 2; i < r; ++i) hidden.add_(Y.select(4, i).narrow(2, i, N));
-    hidden.add_(pos_bias.view({P, 1, 1, 1, h}));  // stays in ct
-    const auto act = at::silu(hidden);
-    const auto out = at::baddbmm(b2c, act.view({P, R, h}), W2c.transpose(1, 2));  // [P,R,D]
+    const auto prepared = Prepare(in, P, ct);
+    const auto Y = at::bmm(Xc.view({P, M, dD}), prepared.w1.view({P, h * r, dD}).transpose(1, 2))
+                       .view({P, B, chunks, G, h, r});
+    const auto [hidden, act] = HiddenForward(Y, prepared.pos_bias, N);
+    const auto out = at::baddbmm(prepared.b2.view({P, 1, D}), act.view({P, R, h}), prepared.w2.transpose(1, 2));
 
-    torch::autograd::variable_list to_save = {Xc, Ws, hidden, act, W2c};
+    torch::autograd::variable_list to_save = {Xc, prepared.w1, hidden, act, prepared.w2};
     for (int64_t p = 0; p < P; ++p) {
       to_save.push_back(Param(in, P, p, 0));  // pos and W1: the bias path's gradients
       to_save.push_back(Param(in, P, p, 1));
@@ -106,7 +107,7 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
                                                  torch::autograd::variable_list grads) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
-    const auto &Xc = saved[0], &Ws = saved[1], &hidden = saved[2], &act = saved[3], &W2c = saved[4];
+    const auto &Xc = saved[0], &W1c = saved[1], &hidden = saved[2], &act = saved[3], &W2c = saved[4];
     const std::vector<torch::Tensor> params(saved.begin() + 5, saved.end());  // pos, W1 per compressor
     const auto s = ctx->saved_data["shape"].toIntVector();
     const int64_t P = s[0], B = s[1], T = s[2], G = s[3], D = s[4], l = s[5], d = s[6], h = s[7];
@@ -120,19 +121,16 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
     for (int64_t p = 0; p < P; ++p) {
       parts.push_back(grads[p].defined() ? grads[p].reshape({R, D}).to(ct) : at::zeros({R, D}, Xc.options()));
     }
-    const auto dout = at::stack(parts);                                             // [P,R,D]
-    const auto dW2 = at::bmm(dout.transpose(1, 2), act.view({P, R, h})).to(pt);     // [P,D,h]
-    const auto db2 = dout.sum(1, false, pt);                                        // [P,D]
-    const auto dhidden = at::silu_backward(at::bmm(dout, W2c), hidden.view({P, R, h}));  // [P,R,h]
-    const auto dbias = dhidden.sum(1, false, pt);                                   // [P,h] = db1
-    auto dY = at::zeros({P, B, chunks, G, r, h}, Xc.options());
-    const auto dh = dhidden.view({P, B, N, G, h});
-    for (int64_t i = 0; i < r; ++i) CopyInWords(dY.select(4, i).narrow(2, i, N), dh);
-    const auto dY_rows = dY.view({P, M, r * h});
-    const auto dWs = at::bmm(dY_rows.transpose(1, 2), Xc.view({P, M, dD}));       // [P,r*h,dD]
-    auto dW1 = at::empty({P, h, r, dD}, params[1].options());
-    dW1.copy_(dWs.view({P, r, h, dD}).transpose(1, 2));
-    const auto dXc = at::bmm(dY_rows, Ws.view({P, r * h, dD})).view({P, B, chunks, G, d, D});
+    const auto dout = at::stack(parts);                                                   // [P,R,D]
+    const auto dW2 = ProductIn(pt, dout.transpose(1, 2), act.view({P, R, h}));            // [P,D,h]
+    const auto dact = at::bmm(dout, W2c);                                                 // [P,R,h]
+    const auto [dY, dbias, db2] = HiddenBackward(dact.view({P, B, N, G, h}), hidden, dout.view({P, B, N, G, D}), r,
+                                                 pt);  // dY [P,B,chunks,G,h,r]; dbias = db1
+    const auto W1s = W1c.view({P, h * r, dD});
+    const auto dY_rows = dY.view({P, M, h * r});
+    auto dW1 = ProductIn(pt, dY_rows.transpose(1, 2), Xc.view({P, M, dD})).view({P, h, l * D});
+    const auto dpos = PositionGrads(dW1, dbias, params, P);  // also adds dbias x pos into dW1
+    const auto dXc = at::bmm(dY_rows, W1s).view({P, B, chunks, G, d, D});
 
     torch::autograd::variable_list out(P + P * kParams + 4);
     for (int64_t p = 0; p < P; ++p) {
@@ -141,13 +139,9 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
                   dXc[p].to(token_dtype));
       if (T > chunks * d) dx.narrow(1, chunks * d, T - chunks * d).zero_();
       out[p] = dx;
-      const auto& pos = params[2 * p];
-      const auto& W1 = params[2 * p + 1];
-      auto dW1p = dW1[p].view({h, l * D});
-      dW1p.addr_(dbias[p], pos.reshape({-1}));
       torch::Tensor* g = &out[P + p * kParams];
-      g[0] = at::mv(W1.t(), dbias[p]).view({l, D});
-      g[1] = dW1p;
+      g[0] = dpos[p].view({l, D});
+      g[1] = dW1[p];
       g[2] = dbias[p];
       g[3] = dW2[p];
       g[4] = db2[p];
@@ -159,6 +153,105 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
   // Parameter `which` (0 pos, 1 W1, 2 b1, 3 W2, 4 b2) of compressor p.
   static const torch::Tensor& Param(at::TensorList in, int64_t P, int64_t p, int which) {
     return in[P + p * kParams + which];
+  }
+
+  struct Prepared {
+    torch::Tensor w1, w2, b2, pos_bias;  // [P,h,l*D], [P,D,h], [P,D] in ct; [P,h] in the parameters' dtype
+  };
+
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  static bool KernelType(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+
+  // The compressors as the kernels take them, or none when they do not.
+  static std::vector<cuda::detail::CompressorParams> KernelParams(at::TensorList in, int64_t P, at::ScalarType ct) {
+    std::vector<cuda::detail::CompressorParams> params;
+    for (int64_t p = 0; p < P; ++p) {
+      params.push_back({Param(in, P, p, 0), Param(in, P, p, 1), Param(in, P, p, 2), Param(in, P, p, 3),
+                        Param(in, P, p, 4)});
+    }
+    if (!cuda::detail::CompressMlpTakes(params, ct)) params.clear();
+    return params;
+  }
+#endif
+
+  // W1, W2, b2 in ct and pos_bias = W1 flatten(pos) + b1 in the parameters' dtype.
+  static Prepared Prepare(at::TensorList in, int64_t P, at::ScalarType ct) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    const auto kernel_params = KernelParams(in, P, ct);
+    if (!kernel_params.empty()) {
+      auto k = cuda::detail::PrepareCompressors(kernel_params, ct);
+      return {k.w1, k.w2, k.b2, k.pos_bias};
+    }
+#endif
+    std::vector<torch::Tensor> w1, w2, b2, pos_bias;
+    for (int64_t p = 0; p < P; ++p) {
+      w1.push_back(Param(in, P, p, 1).to(ct));
+      w2.push_back(Param(in, P, p, 3).to(ct));
+      b2.push_back(Param(in, P, p, 4).to(ct));
+      pos_bias.push_back(at::addmv(Param(in, P, p, 2), Param(in, P, p, 1), Param(in, P, p, 0).reshape({-1})));
+    }
+    return {at::stack(w1), at::stack(w2), at::stack(b2), at::stack(pos_bias)};
+  }
+
+  // hidden [P,B,N,G,h] = sum_i Y[.., j+i, .., (hh, i)] + pos_bias (summed in pos_bias's
+  // dtype, rounded once to Y's), and act = silu(hidden).
+  static std::pair<torch::Tensor, torch::Tensor> HiddenForward(const torch::Tensor& Y, const torch::Tensor& pos_bias,
+                                                              int64_t N) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    if (Y.is_cuda() && KernelType(Y.scalar_type()) && pos_bias.scalar_type() == at::kFloat) {
+      return cuda::detail::CompressHiddenForward(Y, pos_bias);
+    }
+#endif
+    const int64_t P = Y.size(0), r = Y.size(5), h = Y.size(4);
+    auto sum = pos_bias.view({P, 1, 1, 1, h}) + Y.select(5, 0).narrow(2, 0, N).to(pos_bias.scalar_type());
+    for (int64_t i = 1; i < r; ++i) sum.add_(Y.select(5, i).narrow(2, i, N));
+    const auto hidden = sum.to(Y.scalar_type());
+    return {hidden, at::silu(hidden)};
+  }
+
+  // dY [P,B,chunks,G,h,r]: dh = silu'(hidden) dact placed at each slice's shift; dbias [P,h]
+  // and db2 [P,D], the column sums of dh and dout, in the parameters' dtype pt.
+  static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> HiddenBackward(const torch::Tensor& dact,
+                                                                                const torch::Tensor& hidden,
+                                                                                const torch::Tensor& dout, int64_t r,
+                                                                                at::ScalarType pt) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    if (dact.is_cuda() && KernelType(dact.scalar_type()) && pt == at::kFloat) {
+      return cuda::detail::CompressHiddenBackward(dact, hidden, dout, r);
+    }
+#endif
+    const int64_t P = hidden.size(0), B = hidden.size(1), N = hidden.size(2), G = hidden.size(3), h = hidden.size(4);
+    const auto dh = at::silu_backward(dact, hidden);
+    auto dY = at::zeros({P, B, N + r - 1, G, h, r}, hidden.options());
+    for (int64_t i = 0; i < r; ++i) dY.select(5, i).narrow(2, i, N).copy_(dh);
+    return {dY, dh.view({P, -1, h}).sum(1, false, pt), dout.view({P, -1, dout.size(4)}).sum(1, false, pt)};
+  }
+
+  // a b (batched) with the result in dtype: straight out of the GEMM on CUDA.
+  static torch::Tensor ProductIn(at::ScalarType dtype, const torch::Tensor& a, const torch::Tensor& b) {
+    if (a.is_cuda() && dtype != a.scalar_type()) return at::bmm(a, b, dtype);
+    return at::bmm(a, b).to(dtype);
+  }
+
+  // The position encodings' gradients [P,l*D] = W1^T dbias; dW1 [P,h,l*D] += dbias x
+  // flatten(pos) in place. params: pos, W1 per compressor.
+  static torch::Tensor PositionGrads(torch::Tensor& dW1, const torch::Tensor& dbias,
+                                     const std::vector<torch::Tensor>& params, int64_t P) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    if (dW1.is_cuda() && dW1.scalar_type() == at::kFloat) {
+      std::vector<torch::Tensor> pos, w1;
+      for (int64_t p = 0; p < P; ++p) pos.push_back(params[2 * p]), w1.push_back(params[2 * p + 1]);
+      if (cuda::detail::CompressPositionGradsTake(pos, w1)) return cuda::detail::CompressPositionGrads(dW1, dbias, pos, w1);
+    }
+#endif
+    std::vector<torch::Tensor> dpos;
+    for (int64_t p = 0; p < P; ++p) {
+      const auto& pos = params[2 * p];
+      const auto& W1 = params[2 * p + 1];
+      dW1[p].addr_(dbias[p], pos.reshape({-1}));
+      dpos.push_back(at::mv(W1.t(), dbias[p]));
+    }
+    return at::stack(dpos);
   }
 };
 
