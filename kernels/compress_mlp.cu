@@ -195,7 +195,8 @@ bool CompressMlpTakes(const std::vector<CompressorParams>& params, at::ScalarTyp
         return false;
       }
     }
-    if (c.pos.sizes() != first.pos.sizes() || c.w1.sizes() != first.w1.sizes() || c.w2.sizes() != first.w2.sizes() ||
+    if (c.w1.dim() != 2 || c.w2.dim() != 2 || c.pos.sizes() != first.pos.sizes() || c.w1.sizes() != first.w1.sizes() ||
+        c.w2.sizes() != first.w2.sizes() || c.pos.numel() != c.w1.size(1) || c.w2.size(1) != c.w1.size(0) ||
         c.b1.numel() != c.w1.size(0) || c.b2.numel() != c.w2.size(0)) {
       return false;
     }
