@@ -37,6 +37,11 @@ ParamPtrs PointersOf(const std::vector<CompressorParams>& params) {
   return p;
 }
 
+// A parameter the kernels read: float32, contiguous, on `device` (a CUDA device).
+bool KernelParam(const at::Tensor& t, const at::Device& device) {
+  return t.defined() && t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == device;
+}
+
 __device__ __forceinline__ float Sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -184,16 +189,14 @@ __global__ void __launch_bounds__(kCols* kRowGroups)
 
 }  // namespace
 
+bool CompressMlpType(at::ScalarType ct) { return ct == at::kBFloat16 || ct == at::kHalf || ct == at::kFloat; }
+
 bool CompressMlpTakes(const std::vector<CompressorParams>& params, at::ScalarType ct) {
-  if (params.empty() || params.size() > static_cast<size_t>(kMaxCompressors)) return false;
-  if (ct != at::kBFloat16 && ct != at::kHalf && ct != at::kFloat) return false;
+  if (params.empty() || params.size() > static_cast<size_t>(kMaxCompressors) || !CompressMlpType(ct)) return false;
   const auto& first = params.front();
   for (const auto& c : params) {
     for (const at::Tensor* t : {&c.pos, &c.w1, &c.b1, &c.w2, &c.b2}) {
-      if (!t->defined() || !t->is_cuda() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
-          t->device() != first.w1.device()) {
-        return false;
-      }
+      if (!KernelParam(*t, first.w1.device())) return false;
     }
     if (c.w1.dim() != 2 || c.w2.dim() != 2 || c.pos.sizes() != first.pos.sizes() || c.w1.sizes() != first.w1.sizes() ||
         c.w2.sizes() != first.w2.sizes() || c.pos.numel() != c.w1.size(1) || c.w2.size(1) != c.w1.size(0) ||
@@ -269,11 +272,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressHiddenBackward(const at::
 bool CompressPositionGradsTake(const std::vector<at::Tensor>& pos, const std::vector<at::Tensor>& w1) {
   if (pos.empty() || pos.size() != w1.size() || pos.size() > static_cast<size_t>(kMaxCompressors)) return false;
   for (size_t c = 0; c < pos.size(); ++c) {
-    for (const at::Tensor* t : {&pos[c], &w1[c]}) {
-      if (!t->is_cuda() || t->scalar_type() != at::kFloat || !t->is_contiguous() || t->device() != w1[0].device()) {
-        return false;
-      }
-    }
+    if (!KernelParam(pos[c], w1[0].device()) || !KernelParam(w1[c], w1[0].device())) return false;
     if (w1[c].dim() != 2 || w1[c].sizes() != w1[0].sizes() || pos[c].numel() != w1[c].size(1)) return false;
   }
   return w1[0].numel() < INT_MAX;

@@ -26,9 +26,11 @@ struct CompressorParams {
   at::Tensor pos, w1, b1, w2, b2;
 };
 
-// Whether the kernels below take these compressors with GEMMs in ct: CUDA, ct bf16, fp16 or
-// float32, float32 contiguous parameters of one shape on one device, at most
-// kMaxCompressors.
+// The GEMMs' types the kernels are built for: bf16, fp16, float32.
+bool CompressMlpType(at::ScalarType ct);
+
+// Whether the kernels below take these compressors with GEMMs in ct: CUDA, a CompressMlpType,
+// float32 contiguous parameters of one shape on one device, at most kMaxCompressors.
 bool CompressMlpTakes(const std::vector<CompressorParams>& params, at::ScalarType ct);
 
 // The parameters in the form the GEMMs read, in one launch: W1 [P,h,l*D] and W2 [P,D,h] and

@@ -160,8 +160,6 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
   };
 
 #ifdef NSAD_HAVE_CUDA_KERNELS
-  static bool KernelType(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
-
   // The compressors as the kernels take them, or none when they do not.
   static std::vector<cuda::detail::CompressorParams> KernelParams(at::TensorList in, int64_t P, at::ScalarType ct) {
     std::vector<cuda::detail::CompressorParams> params;
@@ -198,7 +196,7 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
   static std::pair<torch::Tensor, torch::Tensor> HiddenForward(const torch::Tensor& Y, const torch::Tensor& pos_bias,
                                                               int64_t N) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-    if (Y.is_cuda() && KernelType(Y.scalar_type()) && pos_bias.scalar_type() == at::kFloat) {
+    if (Y.is_cuda() && cuda::detail::CompressMlpType(Y.scalar_type()) && pos_bias.scalar_type() == at::kFloat) {
       return cuda::detail::CompressHiddenForward(Y, pos_bias);
     }
 #endif
@@ -216,7 +214,7 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
                                                                                 const torch::Tensor& dout, int64_t r,
                                                                                 at::ScalarType pt) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-    if (dact.is_cuda() && KernelType(dact.scalar_type()) && pt == at::kFloat) {
+    if (dact.is_cuda() && cuda::detail::CompressMlpType(dact.scalar_type()) && pt == at::kFloat) {
       return cuda::detail::CompressHiddenBackward(dact, hidden, dout, r);
     }
 #endif
