@@ -55,7 +55,7 @@ struct SelectedKernelChoice {
   Dq dq = Dq::kAuto;
   Order order = Order::kAuto;
   // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
-  // the measured default (128), else 1..kMaxSelectedQueriesPerItem (the kernels keep the
+  // the measured default (256), else 1..kMaxSelectedQueriesPerItem (the kernels keep the
   // item's positions in shared memory).
   int queries_per_item = 0;
   // kBlocks forward: bytes of partial results per pass over whole batch elements; 0 is the
