@@ -19,7 +19,8 @@ namespace {
 constexpr int kSums = 7;
 constexpr int kWarps = kThreads / 32;
 // Loads in flight per thread and loop trip: one load at a time per grid-stride step left the
-// kernel waiting on memory latency (about 19 us per m7c layer at batch 16 for 6.4 MB).
+// kernel waiting on memory latency (13.4 us per m7c layer at batch 16 for 6.4 MB, ncu on an
+// H100, where this kernel takes 9.1 us with its finish).
 constexpr int kUnroll = 4;
 
 // out (float32 [7]): mean g0..g2, std g0..g2, mean selected blocks per (position, group).
