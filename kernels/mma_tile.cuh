@@ -230,15 +230,16 @@ __device__ __forceinline__ uint32_t SwizzledOffset(int row, int chunk) {
 
 // Issues the cp.async copies of rows [0, kRows) of a tile (row i at src + i * stride
 // elements) into a swizzled tile at smem address dst; rows >= count are zero-filled so
-// that masked products never meet NaN garbage. All threads of the CTA take part.
+// that masked products never meet NaN garbage. All threads of the CTA take part, or the
+// kCtaThreads threads numbered tid = 0 .. kCtaThreads - 1 of a warp-specialised kernel.
 template <int D, int kRows, int kCtaThreads, typename scalar_t>
 __device__ __forceinline__ void StageTileAsync(uint32_t dst, const scalar_t* src, int64_t stride,
-                                               int count) {
+                                               int count, int tid = static_cast<int>(threadIdx.x)) {
   constexpr int kChunks = D / 8;
   static_assert(kRows * kChunks % kCtaThreads == 0, "whole chunks per thread");
 #pragma unroll
   for (int it = 0; it < kRows * kChunks / kCtaThreads; ++it) {
-    const int i = static_cast<int>(threadIdx.x) + it * kCtaThreads;
+    const int i = tid + it * kCtaThreads;
     const int row = i / kChunks, chunk = i % kChunks;
     const bool ok = row < count;
     CpAsync16(dst + SwizzledOffset<D>(row, chunk), ok ? src + row * stride + chunk * 8 : src, ok);

@@ -8,9 +8,9 @@
 // the window a 64-key block and a slice of the contiguous positions whose windows cover it.
 // The (position, head) query rows are gathered kRows at a time into shared memory, later
 // steps' copies in flight while this one computes (one step ahead at D = 128, two at D = 64,
-// where the steps also overlap: see Cfg::kOverlap). Against the staged kernel, what changes is
-// who multiplies. The CTA is one warpgroup, the block's 64 keys are the M of every product
-// but dQ's, and per step of 64 rows:
+// where a second warpgroup stages them and does dQ: see Cfg::kSplit). Against the staged
+// kernel, what changes is who multiplies. The block's 64 keys are the M of every product but
+// dQ's, and per step of 64 rows:
 //   S^T  = K Q^T     K (staged once) and Q, both K-major from shared memory
 //   dP^T = V dO^T    V and dO, likewise
 //   P^T  = exp2(S^T - lse), dS^T = P^T (dP^T - delta)   from the accumulators, under the
@@ -44,19 +44,29 @@ template <int D, int kMaxQueries>
 struct Cfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kHalves = D / 64;  // 64-column tiles per row
-  static constexpr int kThreads = wgmma::kWarpgroupThreads;
   static constexpr int kRows = 64;  // query rows per step: the N of S^T and dP^T
-  // D=64: a 3-CTA budget (168 registers, 24-68 bytes of spill) was no faster on H100:
-  // selected backward alone at B16 T2048 D64 12:2 1.22-1.26 ms against 1.23-1.31, 64k
-  // forward+backward 14.60 against 14.51 ms. D=128 holds twice the dK/dV accumulators: one
-  // CTA's budget (255 registers, 64-72 bytes of spill).
+  // D=64 splits the work between two warpgroups (FlashAttention-3's warp specialisation):
+  // the score warpgroup runs S^T, dP^T, the probabilities and dV/dK, and the dQ warpgroup
+  // stages the rows (two steps ahead: three buffers) and runs dQ and its adds, one step
+  // behind (dS^T alternates between two tiles). Named barriers hand buffers and tiles back
+  // and forth (kRowsReady ...). The profile it answers (ncu, one warpgroup doing everything,
+  // two CTAs per SM): two warps per scheduler, the tensor pipe 30% busy, a third of the stall
+  // samples in the dQ adds and 12% in the row staging. D=128 holds twice the dK/dV
+  // accumulators and has no registers to spare: one warpgroup runs the steps one after
+  // another, one CTA per SM (255 registers, 64-72 bytes of spill).
+  static constexpr bool kSplit = D == 64;
+  static constexpr int kGroupThreads = wgmma::kWarpgroupThreads;
+  static constexpr int kThreads = (kSplit ? 2 : 1) * kGroupThreads;
   static constexpr int kMinCtas = D == 64 ? 2 : 1;
-  // D=64 overlaps each step's dV/dK and dQ products and its dQ adds with the next step's
-  // S^T and dP^T (the registers of both steps fit the 2-CTA budget), so a step's rows are
-  // staged two steps ahead (three buffers) and dS^T alternates between two tiles. D=128 has
-  // no registers to spare and runs the steps one after another.
-  static constexpr bool kOverlap = D == 64;
-  static constexpr int kBufs = kOverlap ? 3 : 2, kDsBufs = kOverlap ? 2 : 1;
+  // kSplit: the launch gives every thread 128 registers (2 CTAs of 256 threads); the dQ
+  // warpgroup hands kScoreRegs - 128 of them to the score warpgroup (setmaxnreg).
+  static constexpr int kScoreRegs = 192, kDqRegs = 64;
+  static_assert(!kSplit || kScoreRegs + kDqRegs == 2 * 65536 / (kThreads * kMinCtas), "the CTA's registers");
+  static constexpr int kRowsReady = 1;  // + buffer: its rows are staged (dQ -> score warpgroup)
+  static constexpr int kRowsFree = 4;   // + buffer: the score warpgroup's products are done with them
+  static constexpr int kDsReady = 7;    // + dS^T tile: written (score -> dQ warpgroup)
+  static constexpr int kDsFree = 9;     // + dS^T tile: dQ's product is done with it
+  static constexpr int kBufs = kSplit ? 3 : 2, kDsBufs = kSplit ? 2 : 1;
   static constexpr int kTileBytes = 64 * 64 * 2;       // 8 KB: one [64][64] 16-bit tile
   static constexpr int kRowsBytes = kHalves * kTileBytes;  // 64 rows of D
   static constexpr int kK = 0, kV = kRowsBytes, kQ = 2 * kRowsBytes, kDo = kQ + kBufs * kRowsBytes;
@@ -134,7 +144,9 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
 
   const KeyWork w = pol.Work(s);
   if (!w.valid || w.num_queries <= 0 || w.keys.count <= 0) return;  // whole CTA
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  // The warp's place in its warpgroup: its accumulator rows are 16 wg_warp + g and + 8.
+  const int wg_warp = (threadIdx.x >> 5) & 3;
   const int hq = s.hq(), total = w.num_queries * hq;  // flattened (position, head) rows
   for (int i = threadIdx.x; i < w.num_queries; i += C::kThreads) {
     pos[i] = pol.Query(w, i);
@@ -146,18 +158,22 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
   __syncthreads();
 
   // The block's keys, rows past its end zero (their products are masked); committed with
-  // the first step's rows.
+  // the first step's rows. tid: the staging thread's number in its warpgroup.
   const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const auto stage_keys = [&](int tid) {
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    const int64_t src = KeyOffset(s, w.b, w.keys.start, w.g) + 64 * h;
-    mma::StageTileAsync<64, 64, C::kThreads>(base + C::kK + h * C::kTileBytes, k + src, kv_stride, w.keys.count);
-    mma::StageTileAsync<64, 64, C::kThreads>(base + C::kV + h * C::kTileBytes, v + src, kv_stride, w.keys.count);
-  }
-  const auto stage = [&](int r0, int buf) {
+    for (int h = 0; h < kHalves; ++h) {
+      const int64_t src = KeyOffset(s, w.b, w.keys.start, w.g) + 64 * h;
+      mma::StageTileAsync<64, 64, C::kGroupThreads>(base + C::kK + h * C::kTileBytes, k + src, kv_stride,
+                                                    w.keys.count, tid);
+      mma::StageTileAsync<64, 64, C::kGroupThreads>(base + C::kV + h * C::kTileBytes, v + src, kv_stride,
+                                                    w.keys.count, tid);
+    }
+  };
+  const auto stage = [&](int r0, int buf, int tid) {
 #pragma unroll
-    for (int it = 0; it < kR * kChunks / C::kThreads; ++it) {
-      const int e = static_cast<int>(threadIdx.x) + it * C::kThreads;
+    for (int it = 0; it < kR * kChunks / C::kGroupThreads; ++it) {
+      const int e = tid + it * C::kGroupThreads;
       const int r = e / kChunks, ch = e % kChunks, rho = r0 + r;
       int pi, head;
       by_hq.DivMod(rho, pi, head);
@@ -167,14 +183,14 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       mma::CpAsync16(base + C::kQ + dst, q + off, ok);
       mma::CpAsync16(base + C::kDo + dst, dout + off, ok);
     }
-    if (threadIdx.x < kR) {
-      const int rho = r0 + threadIdx.x;
+    if (tid < kR) {
+      const int rho = r0 + tid;
       int pi, head;
       by_hq.DivMod(rho, pi, head);
       const bool ok = rho < total;
       const int t = ok ? pos[pi] : -1;
       const int64_t row = ok ? row_offset[pi] / D + head : 0;
-      float4& m = meta[buf * kR + threadIdx.x];
+      float4& m = meta[buf * kR + tid];
       mma::CpAsync4(&m.x, lse + row, ok);
       mma::CpAsync4(&m.y, delta + row, ok);
       m.z = __int_as_float(t);  // read after the step's barrier
@@ -182,18 +198,101 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     mma::CpAsyncCommit();
   };
 
-  // This thread's accumulator rows are keys 16 warp + g and + 8 of the block; the policy's
-  // Allowed(t, key) is the whole mask. Padding keys are INT_MAX, so key <= t (which every
-  // policy's mask includes) fails for them, as for rows past the end (t = -1).
-  const int key_lo = 16 * warp;
+  const float scale_log2 = scale * kLog2e;
+  const uint32_t ktile = base + C::kK, vtile = base + C::kV;
+  // The tiles' descriptors, worked out once; a product's buffer and step are an Advance.
+  const uint64_t k_rows = wgmma::KMajorTile(ktile), v_rows = wgmma::KMajorTile(vtile);
+  const uint64_t q_rows = wgmma::KMajorTile(base + C::kQ), do_rows = wgmma::KMajorTile(base + C::kDo);
+  const uint64_t q_cols = wgmma::MnMajorTile(base + C::kQ), do_cols = wgmma::MnMajorTile(base + C::kDo);
+  const uint64_t k_cols = wgmma::MnMajorTile(ktile), ds_cols = wgmma::MnMajorTile(base + C::kDs);
+  // This thread's accumulator rows of S^T, dP^T, dK and dV are keys key_lo + g and + 8 of the
+  // block; those of dQ are the step's rows key_lo + g and + 8.
+  const int key_lo = 16 * wg_warp;
+
+  // dQ = dS K for columns 64 h .. 64 h + 63. Issued and committed (one group).
+  const auto issue_dq = [&](float (&dq)[8][4], int ds, int h) {
+    wgmma::Fence();
+    const uint32_t ds_off = ds * C::kTileBytes, k_off = h * C::kTileBytes;
+    wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::Advance(ds_cols, ds_off), wgmma::Advance(k_cols, k_off));
+#pragma unroll
+    for (int kk = 1; kk < 4; ++kk) {
+      const uint32_t step = wgmma::kMnMajorStepBytes * kk;
+      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::Advance(ds_cols, ds_off + step),
+                                                 wgmma::Advance(k_cols, k_off + step));
+    }
+    wgmma::Commit();
+  };
+  // The finished dQ columns of issue_dq, added into dq_acc.
+  const auto add_dq = [&](float (&dq)[8][4], const float4* m, int r0, int h) {
+    wgmma::FenceRegisters(dq);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = key_lo + g + 8 * i;
+      int pi, head;
+      by_hq.DivMod(r0 + row, pi, head);
+      const int t = __float_as_int(m[row].z);  // -1 past the end
+      const int64_t dq_row = t >= 0 ? row_offset[pi] + head * D : 0;
+      AtomicAddRowQuads(dq_acc + dq_row + 64 * h, dq, i, scale, t >= 0, lane);
+    }
+  };
+
+  if constexpr (C::kSplit) {
+    if (threadIdx.x >= C::kGroupThreads) {
+      // The dQ warpgroup. Step i: stage step i + 2's rows into the buffer of step i - 1 once
+      // the score warpgroup is done with it; publish step i + 1's rows; then dQ of step i
+      // from dS^T tile i % 2, handing the tile back before the adds.
+      wgmma::RegDealloc<C::kDqRegs>();
+      const int tid = threadIdx.x - C::kGroupThreads;
+      stage_keys(tid);
+      stage(0, 0, tid);
+      if (kR < total) {
+        stage(kR, 1, tid);
+        mma::CpAsyncWait<1>();
+      } else {
+        mma::CpAsyncWait<0>();
+      }
+      wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores
+      wgmma::BarArrive(C::kRowsReady, C::kThreads);
+      for (int r0 = 0, i = 0; r0 < total; r0 += kR, ++i) {
+        if (r0 + 2 * kR < total) {
+          if (i >= 1) wgmma::BarSync(C::kRowsFree + (i + 2) % 3, C::kThreads);
+          stage(r0 + 2 * kR, (i + 2) % 3, tid);
+        }
+        if (r0 + kR < total) {
+          if (r0 + 2 * kR < total) {
+            mma::CpAsyncWait<1>();
+          } else {
+            mma::CpAsyncWait<0>();
+          }
+          wgmma::FenceProxyAsync();
+          wgmma::BarArrive(C::kRowsReady + (i + 1) % 3, C::kThreads);
+        }
+        if constexpr (kFusedDq) {
+          const int ds = i & 1;
+          wgmma::BarSync(C::kDsReady + ds, C::kThreads);
+          float dq[8][4];
+          issue_dq(dq, ds, 0);
+          wgmma::Wait<0>();
+          if (r0 + 2 * kR < total) wgmma::BarArrive(C::kDsFree + ds, C::kThreads);  // dS^T of step i + 2
+          add_dq(dq, meta + (i % 3) * kR, r0, 0);
+        }
+      }
+      return;
+    }
+    wgmma::RegAlloc<C::kScoreRegs>();
+  } else {
+    stage_keys(threadIdx.x);
+  }
+
+  // The score warpgroup (or the whole CTA at D = 128). The policy's Allowed(t, key) is the
+  // whole mask. Padding keys are INT_MAX, so key <= t (which every policy's mask includes)
+  // fails for them, as for rows past the end (t = -1).
   int key_cut[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int kr = key_lo + g + 8 * half;
     key_cut[half] = kr < w.keys.count ? w.keys.start + kr : INT_MAX;
   }
-  const float scale_log2 = scale * kLog2e;
-  const uint32_t ktile = base + C::kK, vtile = base + C::kV;
   float dk[kHalves][8][4], dv[kHalves][8][4];  // columns 64 h .. 64 h + 63 of the keys' rows
 #pragma unroll
   for (int h = 0; h < kHalves; ++h) {
@@ -203,11 +302,6 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       for (int e = 0; e < 4; ++e) dk[h][i][e] = dv[h][i][e] = 0.f;
     }
   }
-  // The tiles' descriptors, worked out once; a product's buffer and step are an Advance.
-  const uint64_t k_rows = wgmma::KMajorTile(ktile), v_rows = wgmma::KMajorTile(vtile);
-  const uint64_t q_rows = wgmma::KMajorTile(base + C::kQ), do_rows = wgmma::KMajorTile(base + C::kDo);
-  const uint64_t q_cols = wgmma::MnMajorTile(base + C::kQ), do_cols = wgmma::MnMajorTile(base + C::kDo);
-  const uint64_t k_cols = wgmma::MnMajorTile(ktile), ds_cols = wgmma::MnMajorTile(base + C::kDs);
 
   // The phases of a step over the rows staged in buffer buf; the schedules below order them.
   float st[8][4], dpt[8][4];
@@ -298,86 +392,39 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     }
     wgmma::FenceProxyAsync();
   };
-  // dQ = dS K for columns 64 h .. 64 h + 63: this thread's rows are the step's rows 16 warp
-  // + g and + 8. Issued and committed (one group).
-  const auto issue_dq = [&](float (&dq)[8][4], int ds, int h) {
-    wgmma::Fence();
-    const uint32_t ds_off = ds * C::kTileBytes, k_off = h * C::kTileBytes;
-    wgmma::MmaM64N64K16Smem<kBf16, true, true, true>(dq, wgmma::Advance(ds_cols, ds_off), wgmma::Advance(k_cols, k_off));
-#pragma unroll
-    for (int kk = 1; kk < 4; ++kk) {
-      const uint32_t step = wgmma::kMnMajorStepBytes * kk;
-      wgmma::MmaM64N64K16Smem<kBf16, true, true>(dq, wgmma::Advance(ds_cols, ds_off + step),
-                                                 wgmma::Advance(k_cols, k_off + step));
-    }
-    wgmma::Commit();
-  };
-  // The finished dQ columns of issue_dq, added into dq_acc.
-  const auto add_dq = [&](float (&dq)[8][4], const float4* m, int r0, int h) {
-    wgmma::FenceRegisters(dq);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = key_lo + g + 8 * i;
-      int pi, head;
-      by_hq.DivMod(r0 + row, pi, head);
-      const int t = __float_as_int(m[row].z);  // -1 past the end
-      const int64_t dq_row = t >= 0 ? row_offset[pi] + head * D : 0;
-      AtomicAddRowQuads(dq_acc + dq_row + 64 * h, dq, i, scale, t >= 0, lane);
-    }
-  };
 
-  if constexpr (C::kOverlap) {
-    // Step i's products run while the warps work on step i - 1's dQ adds and step i + 1's
-    // S^T/dP^T wait in the queue behind step i's dV/dK and dQ:
-    //   wait S^T, dP^T (i); P^T, dS^T; issue dV/dK (i); dS^T (i) -> tile i % 2; barrier A;
-    //   issue dQ (i); stage rows of i + 2; wait rows of i + 1; barrier B; issue S^T, dP^T
-    //   (i + 1); wait dV/dK, dQ (i); add dQ (i).
-    // Barrier A: dS^T (i) is whole, and every warp is past step i - 1 (its products waited
-    // for, its metadata read), so buffer (i + 2) % 3 = (i - 1) % 3 and dS tile (i + 1) % 2
-    // are free. Barrier B publishes the rows of step i + 1.
-    static_assert(kHalves == 1, "the overlapped schedule holds one dQ tile");
-    stage(0, 0);
-    if (kR < total) stage(kR, 1);
-    if (kR < total) {
-      mma::CpAsyncWait<1>();
-    } else {
-      mma::CpAsyncWait<0>();
-    }
-    wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
-    __syncthreads();
+  if constexpr (C::kSplit) {
+    // Step i: wait S^T, dP^T (i); P^T, dS^T; issue dV/dK (i); dS^T (i) -> tile i % 2 once dQ
+    // of step i - 2 is done with it, handed to the dQ warpgroup; issue S^T, dP^T (i + 1) once
+    // its rows are staged; wait dV/dK (i); hand buffer i % 3 back for step i + 3's rows.
+    wgmma::BarSync(C::kRowsReady, C::kThreads);
     issue_scores(0);
     for (int r0 = 0, i = 0; r0 < total; r0 += kR, ++i) {
-      const int buf = i % 3, ds = i & 1;
-      const float4* m = meta + buf * kR;
+      const int buf = i % 3;
       wgmma::Wait<0>();
-      probabilities_of_step(m, r0);
+      probabilities_of_step(meta + buf * kR, r0);
       issue_dkdv(buf);
-      if constexpr (kFusedDq) write_ds(ds);
-      __syncthreads();  // barrier A
-      float dq[8][4];
-      if constexpr (kFusedDq) issue_dq(dq, ds, 0);
-      const bool has_next = r0 + kR < total;
-      if (r0 + 2 * kR < total) {
-        stage(r0 + 2 * kR, (i + 2) % 3);
-        mma::CpAsyncWait<1>();
-      } else {
-        mma::CpAsyncWait<0>();
+      if constexpr (kFusedDq) {
+        const int ds = i & 1;
+        if (i >= 2) wgmma::BarSync(C::kDsFree + ds, C::kThreads);
+        write_ds(ds);
+        wgmma::BarArrive(C::kDsReady + ds, C::kThreads);
       }
-      if (has_next) {
-        wgmma::FenceProxyAsync();
-        __syncthreads();  // barrier B
+      if (r0 + kR < total) {
+        wgmma::BarSync(C::kRowsReady + (i + 1) % 3, C::kThreads);
         issue_scores((i + 1) % 3);
         wgmma::Wait<1>();
       } else {
         wgmma::Wait<0>();
       }
-      if constexpr (kFusedDq) add_dq(dq, m, r0, 0);
+      if (r0 + 3 * kR < total) wgmma::BarArrive(C::kRowsFree + buf, C::kThreads);
     }
     wgmma::Wait<0>();  // a no-op (the last step waited for everything), which ptxas cannot see
   } else {
-    stage(0, 0);
+    const auto stage_all = [&](int r0, int buf) { stage(r0, buf, threadIdx.x); };
+    stage_all(0, 0);
     for (int r0 = 0, buf = 0; r0 < total; r0 += kR, buf ^= 1) {
-      mma::StageNextAndWait(r0, kR, total, buf, stage);
+      mma::StageNextAndWait(r0, kR, total, buf, stage_all);
       wgmma::FenceProxyAsync();  // this thread's copies, visible to the tensor cores after the barrier
       __syncthreads();
       const float4* m = meta + buf * kR;

@@ -98,6 +98,32 @@ __device__ __forceinline__ void FenceProxyAsync() {
 #endif
 }
 
+// Warp-specialised kernels: a warpgroup lowers (RegDealloc) or raises (RegAlloc) its
+// per-thread register limit, trading registers with the CTA's other warpgroups through the
+// CTA's pool; each warpgroup runs one of them once, before anything else.
+template <int N>
+__device__ __forceinline__ void RegAlloc() {
+#if NSAD_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void RegDealloc() {
+#if NSAD_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+#endif
+}
+// Named barrier `id` (1-15; 0 is __syncthreads') over `threads` threads: BarSync waits for
+// them all, BarArrive counts this thread and goes on. One side arriving and the other syncing
+// hands shared memory from the arriving threads to the syncing ones (what was written before
+// the arrival is visible after the sync).
+__device__ __forceinline__ void BarSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void BarArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Keeps the compiler from moving accesses to r across the asynchronous region.
 template <int N>
 __device__ __forceinline__ void FenceRegisters(float (&r)[N][4]) {
