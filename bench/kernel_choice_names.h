@@ -42,6 +42,9 @@ constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
     {"wgmma1", TiledChoice::Mma::kWgmmaOneWarpgroup}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
     {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct}};
+constexpr std::pair<const char*, CompressedChoice::KeySide> kCmpKeySideNames[] = {
+    {"auto", CompressedChoice::KeySide::kAuto}, {"smem", CompressedChoice::KeySide::kSmem},
+    {"wgmma", CompressedChoice::KeySide::kWgmma}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
     {"auto", CompressedChoice::Path::kAuto}, {"own", CompressedChoice::Path::kOwn},
     {"registers", CompressedChoice::Path::kRegisters},

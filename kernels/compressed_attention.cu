@@ -17,7 +17,9 @@
 // ldmatrix. The earlier register-only kernels (CmpQueryMmaKernel, CmpImportanceMmaKernel,
 // mma::DkDvMmaKernel: 64 rows per CTA, 16 per warp, operands straight from L1/L2) remain for
 // geometries the shared-memory importance mapping does not cover and for A/B timing
-// (CompressedKernelChoice in kernel_choice.h). fp32 inputs keep the scalar kernels of attention_tile.cuh.
+// (CompressedKernelChoice in kernel_choice.h). On sm_90 (head_dim 64 and 128) dK/dV run on the
+// selected branch's warpgroup-MMA kernel instead (selected_dkdv_wgmma.cuh) under CmpKeyPolicy's
+// mask. fp32 inputs keep the scalar kernels of attention_tile.cuh.
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include <atomic>
@@ -29,6 +31,7 @@
 #include "kernel_choice.h"
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
+#include "selected_dkdv_wgmma.cuh"
 #include "smem_fwd_tile.cuh"
 
 namespace nsad::nsa::cuda::detail {
@@ -36,17 +39,20 @@ namespace nsad::nsa::cuda::detail {
 namespace {
 std::atomic<CompressedKernelChoice::Path> compressed_choice{CompressedKernelChoice::Path::kAuto};
 std::atomic<CompressedKernelChoice::Map> compressed_map{CompressedKernelChoice::Map::kAuto};
+std::atomic<CompressedKernelChoice::KeySide> compressed_key_side{CompressedKernelChoice::KeySide::kAuto};
 }  // namespace
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice) {
   compressed_choice.store(choice.path);
   compressed_map.store(choice.map);
+  compressed_key_side.store(choice.key_side);
 }
 
 CompressedKernelChoice GetCompressedKernelChoice() {
   CompressedKernelChoice choice;
   choice.path = compressed_choice.load();
   choice.map = compressed_map.load();
+  choice.key_side = compressed_key_side.load();
   return choice;
 }
 
@@ -738,8 +744,15 @@ struct CmpKeyPolicy {
     return w;
   }
   __device__ int Query(const KeyWork& w, int i) const { return static_cast<int>(w.query_base) + i; }
+  // j <= t first: the warpgroup-MMA kernel asks about padding keys as j = INT_MAX (and every
+  // key a position sees is at most the position).
   __device__ bool Allowed(const Shape&, int t, int j) const {
-    return j * cmp_stride + cmp_block - 1 <= t;
+    return j <= t && j * cmp_stride + cmp_block - 1 <= t;
+  }
+  // Whether every position in [t_min, t_max] sees every key of `keys`: a position sees a
+  // prefix of the keys that grows with it.
+  __device__ bool AllowsAll(int t_min, int, const KeyChunk& keys) const {
+    return (keys.start + keys.count - 1) * cmp_stride + cmp_block - 1 <= t_min;
   }
 };
 
@@ -966,12 +979,34 @@ void CheckCompressed(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               " tokens");
 }
 
-int KeyQueriesPerCta(const Shape& s) {
+int KeyQueriesPerCta(const Shape& s, int most = kMaxQueriesPerKeyCta) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t key_ctas = static_cast<int64_t>((s.Tk + kKeyChunk - 1) / kKeyChunk) * s.B * s.G;
-  int queries = kMaxQueriesPerKeyCta;
+  int queries = most;
   while (queries > kMinQueriesPerKeyCta && key_ctas * ((s.T + queries - 1) / queries) < sms) queries /= 2;
   return queries;
+}
+
+// The warpgroup-MMA key side: at most this many positions per work item (they sit in its
+// shared memory), as the window's backward takes.
+constexpr int kWgmmaQueriesPerKeyCta = 128;
+
+// Which dK/dV kernel CompressedBackward runs (CompressedKernelChoice::KeySide) on our kernels:
+// a forced choice, or kAuto's, the warpgroup-MMA kernel wherever it runs. Measured on H100,
+// m7c batch 16 (train_bench, graph): 85.42 / 85.35 / 85.48 -> 84.68 / 84.96 / 84.63 ms per
+// step; one layer forward+backward at B16 T2048 D64 12:2 2.659 / 2.656 -> 2.601 / 2.627 ms.
+// Its dQ too (fused, into a zeroed float32 sum, no query-side dQ kernel) measured the same
+// step (84.72 / 84.55 / 85.06 ms) and a slower layer (2.692 / 2.688 ms): not kept.
+CompressedKernelChoice::KeySide KeySideFor(const Shape& s, bool reduced) {
+  using KeySide = CompressedKernelChoice::KeySide;
+  const KeySide forced = compressed_key_side.load();
+  const bool wgmma_ok = reduced && (s.D == 64 || s.D == 128) && WgmmaRunsHere();
+  if (forced == KeySide::kWgmma) {
+    TORCH_CHECK(wgmma_ok, "the compressed branch's warpgroup-MMA backward needs bf16/fp16 inputs, head_dim 64 or "
+                "128 and an sm_90 device with an sm_90a build, got head_dim ", s.D);
+    return forced;
+  }
+  return forced == KeySide::kSmem || !wgmma_ok ? KeySide::kSmem : KeySide::kWgmma;
 }
 
 // Grid of a query-side kernel: `positions` whole positions of one group, all heads, per CTA.
@@ -1175,8 +1210,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
   const Shape s = MakeShape(q, k_cmp);
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = DeltaOrRowDot(given_delta, dout, out);
+  using KeySide = CompressedKernelChoice::KeySide;
+  const bool reduced = q.scalar_type() != at::kFloat;
+  const KeySide key_side = LegacyRequested() ? KeySide::kSmem : KeySideFor(s, reduced);
   // The shared-memory dQ kernel writes float32 itself; the other kernels write q's type.
-  const bool dq_float_direct = dq_float && q.scalar_type() != at::kFloat && !LegacyRequested();
+  const bool dq_float_direct = dq_float && reduced && !LegacyRequested();
   auto dq = dq_float_direct ? at::Tensor() : at::empty_like(q);
   auto dk_acc = ZeroFloats(k_cmp.sizes(), k_cmp.options());
   auto dv_acc = ZeroFloats(v_cmp.sizes(), v_cmp.options());
@@ -1226,7 +1264,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
                dq.data_ptr<scalar_t>(), s, qpol, scale, rows);
       }
       if constexpr (!std::is_same_v<scalar_t, float>) {
-        if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0 && !LegacyRequested()) {
+        if (key_side == KeySide::kWgmma) {
+          const CmpKeyPolicy wpol{g.cmp_block, g.cmp_stride, KeyQueriesPerCta(s, kWgmmaQueriesPerKeyCta)};
+          const dim3 wgrid(kgrid.x, (s.T + wpol.queries_per_cta - 1) / wpol.queries_per_cta, kgrid.z);
+          using Cfg = dkdv_wgmma::Cfg<D, kWgmmaQueriesPerKeyCta>;
+          LaunchKernel(dkdv_wgmma::SelectedDkDvWgmmaKernel<scalar_t, D, false, kWgmmaQueriesPerKeyCta, CmpKeyPolicy>,
+                       wgrid, Cfg::kThreads, Cfg::kBytes, q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(),
+                       v_cmp.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                       delta.data_ptr<float>(), dk_acc.data_ptr<float>(), dv_acc.data_ptr<float>(),
+                       static_cast<float*>(nullptr), s, wpol, scale);
+        } else if (kgrid.x > 0 && kgrid.y > 0 && kgrid.z > 0 && !LegacyRequested()) {
           const auto kernel = CmpSmemDkDvKernel<scalar_t, D>;
           AllowSmem(kernel, CmpDkDvCfg<D>::kSmem);
           kernel<<<kgrid, CmpDkDvCfg<D>::kThreads, CmpDkDvCfg<D>::kSmem,

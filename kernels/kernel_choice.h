@@ -80,8 +80,14 @@ SelectedKernelChoice GetSelectedKernelChoice();
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
   enum class Map { kAuto, kProduct };
+  // Our backward's dK/dV (bf16/fp16; dQ stays on the query-side kernel): kSmem the
+  // shared-memory mma.sync kernel, kWgmma the selected branch's warpgroup-MMA kernel
+  // (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) under the compressed mask, kAuto
+  // kWgmma where it runs (measured, compressed_attention.cu).
+  enum class KeySide { kAuto, kSmem, kWgmma };
   Path path = Path::kAuto;
   Map map = Map::kAuto;
+  KeySide key_side = KeySide::kAuto;
 };
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);

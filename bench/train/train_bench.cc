@@ -16,6 +16,7 @@
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
+//               [--cmp-key-side auto|smem|wgmma]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -403,6 +404,18 @@ int main(int argc, char** argv) {
       std::printf("# window %s: %s\n", flag == "--win-fwd" ? "forward" : "backward", value.c_str());
 #else
       std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
+      return 2;
+#endif
+    } else if (flag == "--cmp-key-side") {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+      auto choice = nsad::nsa::cuda::detail::GetCompressedKernelChoice();
+      if (!nsad::bench::ParseChoiceFlag("--cmp-key-side", nsad::bench::kCmpKeySideNames, value, choice.key_side)) {
+        return 2;
+      }
+      nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(choice);
+      std::printf("# compressed backward's key side: %s\n", value.c_str());
+#else
+      std::fprintf(stderr, "--cmp-key-side needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
     } else if (flag == "--tiled-mma") {

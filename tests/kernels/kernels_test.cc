@@ -340,6 +340,33 @@ TEST_P(KernelsTest, CompressedAttentionOnCudnn) {
   CheckCompressedAttention();
 }
 
+// Each dK/dV kernel of our compressed backward (the shared-memory one, the selected branch's
+// warpgroup-MMA one under the compressed mask) matches the reference on every shape. A forced
+// warpgroup-MMA kernel that cannot run (fp32, another head_dim, no sm_90 device) refuses
+// instead of running another kernel.
+TEST_P(KernelsTest, CompressedAttentionEveryKeySide) {
+  using Choice = cuda::detail::CompressedKernelChoice;
+  const Case c = GetParam();
+  const bool wgmma_runs =
+      c.dtype != torch::kFloat && (c.D == 64 || c.D == 128) && cuda::detail::WgmmaRunsHere();
+  for (const Choice::KeySide side : {Choice::KeySide::kSmem, Choice::KeySide::kWgmma}) {
+    SCOPED_TRACE("key side " + std::to_string(static_cast<int>(side)));
+    Choice choice;
+    choice.path = Choice::Path::kOwn;
+    choice.key_side = side;
+    const cuda::detail::ScopedCompressedKernelChoice force(choice);
+    if (side == Choice::KeySide::kWgmma && !wgmma_runs) {
+      const int64_t N = NumCmpBlocks(c.T, geo_);
+      const auto q = torch::randn({1, c.T, c.H, c.D}, Opts()).requires_grad_();
+      const auto kv = torch::randn({1, N, c.G, c.D}, Opts());
+      const auto out = cuda::CompressedAttention(q, kv, kv, geo_).out;
+      EXPECT_THROW(out.backward(torch::ones_like(out)), c10::Error);
+      continue;
+    }
+    CheckCompressedAttention();
+  }
+}
+
 // In the paper's geometry (l = 2d, l' = 4d, the default here) the shared-memory importance
 // pass maps P onto selection blocks with shuffles (QuadMapRows) instead of the product with
 // W. Both are exact up to float32 rounding (the product takes P as two fp16 parts), so they
