@@ -51,7 +51,11 @@ struct Cfg {
   // behind (dS^T alternates between two tiles). Named barriers hand buffers and tiles back
   // and forth (kRowsReady ...). The profile it answers (ncu, one warpgroup doing everything,
   // two CTAs per SM): two warps per scheduler, the tensor pipe 30% busy, a third of the stall
-  // samples in the dQ adds and 12% in the row staging. D=128 holds twice the dK/dV
+  // samples in the dQ adds and 12% in the row staging. Measured on H100 against that kernel:
+  // m7c batch 16 step 86.25 / 86.38 / 85.89 -> 85.31 / 85.30 / 85.36 ms; one layer forward +
+  // backward at B16 T2048 D64 12:2 2.754 / 2.725 -> 2.628 / 2.643 ms. A fourth row buffer
+  // (staging three steps ahead) was slower: 85.26 / 85.39 / 85.38 -> 85.49 / 85.62 / 85.51
+  // ms per step. D=128 holds twice the dK/dV
   // accumulators and has no registers to spare: one warpgroup runs the steps one after
   // another, one CTA per SM (255 registers, 64-72 bytes of spill).
   static constexpr bool kSplit = D == 64;
