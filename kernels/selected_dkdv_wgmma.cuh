@@ -55,9 +55,9 @@ struct Cfg {
   // m7c batch 16 step 86.25 / 86.38 / 85.89 -> 85.31 / 85.30 / 85.36 ms; one layer forward +
   // backward at B16 T2048 D64 12:2 2.754 / 2.725 -> 2.628 / 2.643 ms. A fourth row buffer
   // (staging three steps ahead) was slower: 85.26 / 85.39 / 85.38 -> 85.49 / 85.62 / 85.51
-  // ms per step. D=128 holds twice the dK/dV
-  // accumulators and has no registers to spare: one warpgroup runs the steps one after
-  // another, one CTA per SM (255 registers, 64-72 bytes of spill).
+  // ms per step. D=128 holds twice the dK/dV accumulators and has no registers to spare: one
+  // warpgroup runs the steps one after another, one CTA per SM (255 registers, 64-72 bytes of
+  // spill).
   static constexpr bool kSplit = D == 64;
   static constexpr int kGroupThreads = wgmma::kWarpgroupThreads;
   static constexpr int kThreads = (kSplit ? 2 : 1) * kGroupThreads;
