@@ -11,6 +11,10 @@
 #                  right before this tree ("this"), for an A/B of two commits in one call [unset]
 #   TEST_FILTER    kernels_test --gtest_filter ['*'; "skip" runs none]
 #   MEMCHECK_FILTER kernels_test filter under memcheck [skip]
+#   SYNCCHECK_FILTER kernels_test filter under synccheck (barrier misuse: named barriers,
+#                  warp-specialised kernels) [skip]
+# A failing kernels_test or sanitizer run ends the call before the benches: a variant that
+# computes wrong values is not worth device time.
 #   NSA_ARGS       nsa_bench arguments ["--seqs 2048 --batch 16 --dims 64 --heads 12:2 --reps 10 --warmup 3"; "skip"]
 #   TRAIN_ARGS     train_bench arguments ["--batches 16 --steps 20 --variants nsa-cuda --cuda-graphs 1"; "skip"]
 #   ROUNDS [2], BUILD_DIR [/tmp/build]
@@ -59,6 +63,16 @@ if [ -n "${MEMCHECK_FILTER:-}" ]; then
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/memcheck.log" | tail -3
   [ $rc -eq 0 ] || { echo "memcheck exit $rc"; status=1; }
 fi
+
+if [ -n "${SYNCCHECK_FILTER:-}" ]; then
+  step "synccheck $SYNCCHECK_FILTER"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool synccheck \
+    --error-exitcode 9 "$B/tests/kernels/kernels_test" --gtest_filter="$SYNCCHECK_FILTER" > "$out/synccheck.log" 2>&1
+  rc=$?
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$out/synccheck.log" | tail -3
+  [ $rc -eq 0 ] || { echo "synccheck exit $rc"; status=1; }
+fi
+[ $status -eq 0 ] || { step "tests failed: no benches"; exit $status; }
 
 IFS=';' read -ra variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -gt 0 ] || variants=("")
