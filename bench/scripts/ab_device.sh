@@ -25,7 +25,7 @@ B=${BUILD_DIR:-/tmp/build}
 mkdir -p "$out"
 status=0
 step() { echo "== $* ($(date +%T))"; }
-cd "$root"
+cd "$root" || exit 1
 source scripts/device_env.sh
 
 step build
