@@ -264,9 +264,19 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 // same CTA, everything else is final and stored plainly, and the CTA zero-fills the
 // selection blocks past its last tile: no atomics, no zero-initialised importance tensor,
 // and the result does not depend on scheduling.
-template <int D>
+//
+// m16 tiles per warp (kTilesPerWarp): the importance pass takes two at D=64 (128 registers,
+// four CTAs of four warps per SM). The forward and dQ take one at every head_dim (eight
+// warps, two CTAs per SM at D=64): with two, ptxas gave them 254 and 244 registers, so two
+// CTAs of four warps per SM, and at the training shape (at most two key tiles per CTA) ncu
+// found no eligible warp in 64% of the forward's cycles.
+template <int D, bool kImportance>
+constexpr int CmpTilesPerWarp() {
+  return kImportance && D == 64 ? 2 : 1;
+}
+template <int D, int kTilesPerWarp = CmpTilesPerWarp<D, false>()>
 struct CmpSmemCfg {
-  static constexpr int kM = D == 64 ? 2 : 1;  // m16 tiles per warp (register budget)
+  static constexpr int kM = kTilesPerWarp;
   static constexpr int kWarps = 8 / kM;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * kM * kWarps;  // 128 rows per CTA
@@ -344,13 +354,14 @@ __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_r
 // kQuadMap (importance only): X by QuadMapRows, for the geometry QuadMapApplies to; its own
 // instance, so that the W product's registers do not weigh on it.
 template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false>
-__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 64 ? 4 : 2) : 1)
+__global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>::kThreads,
+                                  kImportance ? (D == 64 ? 4 : 2) : (D == 64 ? 2 : 1))
     CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                   const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
                   float* __restrict__ lse, float* __restrict__ importance, Shape s,
                   int positions_per_cta, int NS, int slc_block, int cmp_block, int cmp_stride,
                   float scale_log2) {
-  using Cfg = CmpSmemCfg<D>;
+  using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16, kNt = kN / 8;
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   constexpr int kStageBytes = (kImportance ? 1 : 2) * Cfg::kTileBytes;
@@ -548,7 +559,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, kImportance ? (D == 6
 // dq_t: scalar_t, or float32 to start a float32 sum of several branches' dq (written, not
 // added; CompressedBackward's dq_float).
 template <typename scalar_t, int D, typename dq_t>
-__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads)
+__global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, D == 64 ? 2 : 1)
     CmpSmemDqKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                     const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
                     const float* __restrict__ lse, const float* __restrict__ delta,
@@ -1058,7 +1069,7 @@ void AllowSmem(Kernel kernel, int bytes) {
 template <typename scalar_t, int D>
 void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
                  at::Tensor& lse, const Shape& s, const Geo& g, int NS, float scale_log2) {
-  using Cfg = CmpSmemCfg<D>;
+  using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, false>()>;
   const QueryGrid sg = SmemQueryGrid<D>(s);
   if (sg.Empty()) return;
   const auto fwd = CmpSmemKernel<scalar_t, D, false>;
@@ -1078,7 +1089,7 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
                       bool smem_path) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (smem_path) {
-    using Cfg = CmpSmemCfg<D>;
+    using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
     const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
     // The paper's geometry (l = 2d, l' = 4d; m7c's 32/16/64) maps P without the W product.
