@@ -40,9 +40,23 @@ at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at
 // (g_k times the gate's gradient is the same sum before d_k's rounding; the attention
 // backward's dP is computed from the rounded d_k, so its delta must be too: otherwise a row
 // with a single key gets dS = P (dP - delta) of rounding size instead of zero.)
+//
+// With fold, the gate of each branch k whose fold->lse[k] is defined is folded into that
+// branch's attention backward instead: the backward takes the mix's own gradient (fold->dout,
+// dout contiguous in the outputs' dtype) and fold->folded_lse[k] = lse_k - log2(g_k), so its
+// P' = exp2(S - folded_lse) = g_k P, with delta_k = rowsum(dout * k) (the gate's gradient
+// before rounding). Then dV = P'^T dout, dS = P' (dout V^T - delta_k): the gradients of
+// d_k = g_k dout, without d_k. lse_k: float32 [B,T,H] in log2 units, as our attention kernels
+// write and read it (not cuDNN's or FlashAttention's). d_k comes back undefined. Where every
+// branch is folded, the kernel writes no [B,T,H,D] tensor at all (three of them otherwise).
+struct GateFold {
+  at::Tensor lse[3];         // in: the branches' forward lse, undefined where not folded
+  at::Tensor folded_lse[3];  // out
+  at::Tensor dout;           // out
+};
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c, at::Tensor* deltas = nullptr);
+    const at::Tensor& c, at::Tensor* deltas = nullptr, GateFold* fold = nullptr);
 
 // Cross-entropy of logits [N, V] (contiguous) against int64 targets [N]: per-row loss
 // (log-sum-exp - logit of the target; 0 where target == ignore_index, NaN where the target

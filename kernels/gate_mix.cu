@@ -66,14 +66,22 @@ __device__ __forceinline__ float GroupSum(float v, int lanes) {
   return v;
 }
 
+// Branch k is folded where folded_lse[k] is set (GateMixBackward's fold): its d_k is not
+// stored, its delta is the gate's gradient (rowsum(dout * k)) and folded_lse[k] gets
+// lse[k] - log2(g_k). The same for every thread of the grid.
+struct FoldPtrs {
+  const float* lse[3];
+  float* folded_lse[3];
+};
+
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     GateMixBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ gates,
                           const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                           const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
                           scalar_t* __restrict__ da, scalar_t* __restrict__ db,
-                          scalar_t* __restrict__ dc, float* __restrict__ deltas, int64_t rows, int D,
-                          int lanes) {
+                          scalar_t* __restrict__ dc, float* __restrict__ deltas, FoldPtrs fold,
+                          int64_t rows, int D, int lanes) {
   using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread / lanes;
@@ -101,9 +109,9 @@ __global__ void __launch_bounds__(kThreads)
         r1 += static_cast<float>(wb.v[k]) * static_cast<float>(vb.v[k]);
         r2 += static_cast<float>(wc.v[k]) * static_cast<float>(vc.v[k]);
       }
-      *reinterpret_cast<Vec*>(da + i) = wa;
-      *reinterpret_cast<Vec*>(db + i) = wb;
-      *reinterpret_cast<Vec*>(dc + i) = wc;
+      if (da != nullptr) *reinterpret_cast<Vec*>(da + i) = wa;
+      if (db != nullptr) *reinterpret_cast<Vec*>(db + i) = wb;
+      if (dc != nullptr) *reinterpret_cast<Vec*>(dc + i) = wc;
     }
   }
   s0 = GroupSum(s0, lanes);
@@ -119,9 +127,14 @@ __global__ void __launch_bounds__(kThreads)
     dgates[row * 3 + 1] = static_cast<scalar_t>(s1);
     dgates[row * 3 + 2] = static_cast<scalar_t>(s2);
     if (deltas != nullptr) {
-      deltas[row] = r0;
-      deltas[rows + row] = r1;
-      deltas[2 * rows + row] = r2;
+      const float s[3] = {s0, s1, s2}, r[3] = {r0, r1, r2};
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const bool folded = fold.folded_lse[k] != nullptr;
+        deltas[k * rows + row] = folded ? s[k] : r[k];
+        // g = 0 gives +inf (no probability at all); lse = +inf (a row with no keys) stays +inf.
+        if (folded) fold.folded_lse[k][row] = fold.lse[k][row] - log2f(static_cast<float>(gates[row * 3 + k]));
+      }
     }
   }
 }
@@ -177,27 +190,53 @@ at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout_in, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c, at::Tensor* deltas) {
+    const at::Tensor& c, at::Tensor* deltas, GateFold* fold) {
   CheckMixInputs(gates, a, b, c);
   TORCH_CHECK(dout_in.sizes() == a.sizes(), "gradient must have the output's shape");
+  TORCH_CHECK(!fold || deltas, "folding gates into the branches' backwards needs their deltas");
   const auto dout = dout_in.to(a.scalar_type()).contiguous();
-  auto dgates = at::empty_like(gates), da = at::empty_like(a), db = at::empty_like(b),
-       dc = at::empty_like(c);
+  const at::Tensor* branches[3] = {&a, &b, &c};
+  at::Tensor d[3];
+  FoldPtrs fold_ptrs{};
+  for (int k = 0; k < 3; ++k) {
+    const bool folded = fold && fold->lse[k].defined();
+    if (!folded) {
+      d[k] = at::empty_like(*branches[k]);
+      continue;
+    }
+    const at::Tensor& lse = fold->lse[k];
+    TORCH_CHECK(lse.is_cuda() && lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                    lse.size(0) == a.size(0) && lse.size(1) == a.size(1) && lse.size(2) == a.size(2),
+                "a folded branch's lse must be contiguous float32 [B,T,H], got ", lse.sizes());
+    fold->folded_lse[k] = at::empty_like(lse);
+    fold_ptrs.lse[k] = lse.data_ptr<float>();
+    fold_ptrs.folded_lse[k] = fold->folded_lse[k].data_ptr<float>();
+  }
+  if (fold) fold->dout = dout;
+  auto dgates = at::empty_like(gates);
+  auto &da = d[0], &db = d[1], &dc = d[2];
   if (deltas) *deltas = at::empty({3, a.size(0), a.size(1), a.size(2)}, a.options().dtype(at::kFloat));
   const int64_t rows = a.size(0) * a.size(1) * a.size(2);
   if (rows == 0) return {dgates, da, db, dc};
   if (a.size(3) == 0) {
     if (deltas) deltas->zero_();
+    for (int k = 0; k < 3; ++k) {
+      if (fold && fold->folded_lse[k].defined())
+        fold->folded_lse[k].copy_(fold->lse[k] - gates.select(3, k).to(at::kFloat).log2());
+    }
     return {dgates.zero_(), da, db, dc};
   }
-  const int lanes = VectorLanes(a.size(3), {&dout, &a, &b, &c, &da, &db, &dc});
+  int lanes = VectorLanes(a.size(3), {&dout, &a, &b, &c});
+  for (const at::Tensor& dk : d) {
+    if (lanes > 0 && dk.defined() && !AlignedFor(dk, kMixVec)) lanes = 0;
+  }
   NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_backward", [&] {
     const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
     Launch(vec ? GateMixBackwardKernel<scalar_t, kMixVec> : GateMixBackwardKernel<scalar_t, 1>,
            LaneGrid(rows, vec ? lanes : 32), 0, dout.data_ptr<scalar_t>(), gates.data_ptr<scalar_t>(),
            a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(),
-           da.data_ptr<scalar_t>(), db.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(),
-           deltas ? deltas->data_ptr<float>() : nullptr, rows,
+           da.defined() ? da.data_ptr<scalar_t>() : nullptr, db.defined() ? db.data_ptr<scalar_t>() : nullptr,
+           dc.defined() ? dc.data_ptr<scalar_t>() : nullptr, deltas ? deltas->data_ptr<float>() : nullptr, fold_ptrs, rows,
            static_cast<int>(a.size(3)), vec ? lanes : 32);
   });
   return {dgates, da, db, dc};

@@ -295,7 +295,8 @@ bool DenseCompressed(const torch::Tensor& q, const torch::Tensor& k_cmp, const G
 // The three branches and their gate mixing as one node (bf16/fp16; BranchesMixed in
 // nsa_cuda.h). Forward: compressed attention and its importance, the selection, the selected and
 // window forwards, the mixing; q is rotated (RoPE) first. Backward: the mixing's backward also
-// returns each branch's delta (rowsum(dO * O), GateMixBackward); the compressed dQ starts the
+// returns each branch's delta (rowsum(dO * O), GateMixBackward) and folds the gates into the
+// branches that run on our kernels (GateFold: no d_k for them); the compressed dQ starts the
 // float32 dq sum, the selected and window backwards add to it, and RoPE's backward rounds it.
 struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q_unrotated, const torch::Tensor& k_cmp,
@@ -330,16 +331,31 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     const auto& q = s[0];
     const Geometry g = LoadGeometry(ctx);
     const Geo geo = ToGeo(g);
+    const bool dense_cmp = ctx->saved_data["dense_cmp"].toBool();
+    const bool wgmma_backward = ctx->saved_data["wgmma_backward"].toBool();
+    // Each branch whose backward runs on our kernels (log2 lse) takes its gate folded into its
+    // softmax and the mix's gradient itself (GateFold); cuDNN and FlashAttention-2 get d_k.
+    detail::GateFold fold;
+    if (!dense_cmp) fold.lse[0] = s[4];
+    fold.lse[1] = s[12];
+    if (wgmma_backward) fold.lse[2] = s[17];
     torch::Tensor deltas;  // [3,B,T,H]: compressed, selected, window
-    auto [dgates, d_cmp, d_slc, d_win] = detail::GateMixBackward(grads[0], s[20], s[3], s[11], s[16], &deltas);
+    auto [dgates, d_cmp, d_slc, d_win] =
+        detail::GateMixBackward(grads[0], s[20], s[3], s[11], s[16], &deltas, &fold);
+    // The gradient and lse each branch's backward takes.
+    const auto branch_dout = [&](const torch::Tensor& d_k) { return d_k.defined() ? d_k : fold.dout; };
+    const auto branch_lse = [&](int k, const torch::Tensor& lse) {
+      return fold.folded_lse[k].defined() ? fold.folded_lse[k] : lse;
+    };
     auto dq_sum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
-    const CompressedSaved c{s[3], none, s[4], s[5], s[6], s[7], s[8]};
-    auto [dq_c, dk_cmp, dv_cmp] = CompressedGradients(d_cmp, q, s[1], s[2], c, geo,
-                                                      ctx->saved_data["dense_cmp"].toBool(), &dq_sum, deltas[0]);
-    auto [dq_s, dk_slc, dv_slc] =
-        detail::SelectedBackward(d_slc, q, s[9], s[10], s[11], s[12], s[13], geo, &dq_sum, deltas[1]);
-    auto [dq_w, dk_win, dv_win] = WindowGradients(d_win, q, s[14], s[15], {s[16], s[17], s[18], s[19]}, g.window,
-                                                  ctx->saved_data["wgmma_backward"].toBool(), &dq_sum, deltas[2]);
+    const CompressedSaved c{s[3], none, branch_lse(0, s[4]), s[5], s[6], s[7], s[8]};
+    auto [dq_c, dk_cmp, dv_cmp] =
+        CompressedGradients(branch_dout(d_cmp), q, s[1], s[2], c, geo, dense_cmp, &dq_sum, deltas[0]);
+    auto [dq_s, dk_slc, dv_slc] = detail::SelectedBackward(branch_dout(d_slc), q, s[9], s[10], s[11],
+                                                           branch_lse(1, s[12]), s[13], geo, &dq_sum, deltas[1]);
+    auto [dq_w, dk_win, dv_win] =
+        WindowGradients(branch_dout(d_win), q, s[14], s[15], {s[16], branch_lse(2, s[17]), s[18], s[19]},
+                        g.window, wgmma_backward, &dq_sum, deltas[2]);
     // The float32 sum goes through RoPE's backward and is rounded there: one pass.
     auto dq = detail::RopeBackward({dq_sum}, s[21], s[22], 1u, q.scalar_type()).view(q.sizes());
     return {dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none, none, none, none, none, none};

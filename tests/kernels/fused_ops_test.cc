@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "fused_launchers.h"
 #include "fused_ops.h"
 #include "nsa/rope.h"
 #include "nsa_cuda.h"
@@ -194,6 +195,57 @@ TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
     ExpectClose(grads[1], ref_grads[1], Tolerance(), "mix d_cmp" + at);
     ExpectClose(grads[2], ref_grads[2], Tolerance(), "mix d_slc" + at);
     ExpectClose(grads[3], ref_grads[3], Tolerance(), "mix d_win" + at);
+  }
+}
+
+// The gate fold of BranchesMixed's backward (GateFold, fused_launchers.h): a folded branch
+// gets no d_k, its delta is the gate's gradient rowsum(dout * k) and its lse becomes
+// lse - log2(g) (+inf where g = 0 or the row had no keys); an unfolded branch gets exactly
+// what the call without a fold gives it.
+TEST_P(FusedOpsTest, GateFoldGivesFoldedLseAndGateGradientDeltas) {
+  const FusedCase c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "BranchesMixed folds 16-bit outputs only";
+  for (const int64_t D : {c.D, c.D - 4}) {
+    auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts()));
+    gates.select(3, 0).select(1, 0).fill_(0);  // position 0: the compressed gate is shut
+    const auto a = torch::randn({c.B, c.T, c.H, D}, Opts()), b = torch::randn({c.B, c.T, c.H, D}, Opts()),
+               o = torch::randn({c.B, c.T, c.H, D}, Opts()), dout = torch::randn({c.B, c.T, c.H, D}, Opts());
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+    auto lse_a = torch::randn({c.B, c.T, c.H}, f32), lse_o = torch::randn({c.B, c.T, c.H}, f32);
+    lse_o.select(1, c.T - 1).fill_(std::numeric_limits<float>::infinity());  // a row with no keys
+
+    torch::Tensor deltas_plain, deltas;
+    const auto [dg_plain, da_plain, db_plain, dc_plain] =
+        cuda::detail::GateMixBackward(dout, gates, a, b, o, &deltas_plain);
+    cuda::detail::GateFold fold;
+    fold.lse[0] = lse_a;
+    fold.lse[2] = lse_o;
+    Poison();
+    const auto [dg, da, db, dc] = cuda::detail::GateMixBackward(dout, gates, a, b, o, &deltas, &fold);
+    const std::string at = " D=" + std::to_string(D);
+
+    EXPECT_FALSE(da.defined()) << at;
+    EXPECT_FALSE(dc.defined()) << at;
+    ASSERT_TRUE(db.defined()) << at;
+    EXPECT_TRUE(torch::equal(db, db_plain)) << at;
+    EXPECT_TRUE(torch::equal(dg, dg_plain)) << at;
+    EXPECT_TRUE(torch::equal(deltas[1], deltas_plain[1])) << at;
+    EXPECT_FALSE(fold.folded_lse[1].defined()) << at;
+    EXPECT_TRUE(torch::equal(fold.dout, dout)) << at;
+
+    // float32 sums of the same 16-bit products: only their order differs.
+    const auto d32 = dout.to(torch::kFloat);
+    EXPECT_LT(RelErr(deltas[0], (d32 * a.to(torch::kFloat)).sum(-1)), 1e-5) << "folded delta cmp" << at;
+    EXPECT_LT(RelErr(deltas[2], (d32 * o.to(torch::kFloat)).sum(-1)), 1e-5) << "folded delta win" << at;
+    const auto log2_g = gates.to(torch::kFloat).log2();
+    const auto want_a = lse_a - log2_g.select(3, 0), want_o = lse_o - log2_g.select(3, 2);
+    EXPECT_TRUE(torch::allclose(fold.folded_lse[0], want_a, 1e-5, 1e-5)) << at;
+    EXPECT_TRUE(torch::allclose(fold.folded_lse[2], want_o, 1e-5, 1e-5)) << at;
+    const float inf = std::numeric_limits<float>::infinity();
+    EXPECT_TRUE((fold.folded_lse[0].select(1, 0) == inf).all().item<bool>()) << "a shut gate" << at;
+    EXPECT_TRUE((fold.folded_lse[2].select(1, c.T - 1) == inf).all().item<bool>()) << "a row with no keys" << at;
+    EXPECT_FALSE(fold.folded_lse[0].isnan().any().item<bool>()) << at;
+    EXPECT_FALSE(fold.folded_lse[2].isnan().any().item<bool>()) << at;
   }
 }
 
