@@ -7,7 +7,9 @@
 // otherwise one warp per row, one element per lane and access (the same kernels with
 // kVec = 1). The backward reduces the three gate gradients (sum over D of dout * o_k) with
 // shuffles inside the lane group, and on request the three branches' attention deltas
-// (sum over D of d_k * o_k, BranchesMixed in nsa_cuda.h) the same way. With
+// (sum over D of d_k * o_k, BranchesMixed in nsa_cuda.h) the same way. BranchesMixed also
+// folds the gates of the branches on our kernels into their softmax (GateFold,
+// fused_launchers.h): for those the backward writes a shifted lse row instead of d_k. With
 // 2-byte accesses the kernels moved about 2 TB/s on an H100 (forward 0.098 ms, backward
 // 0.164 ms per layer at batch 16, T=2048, 12 heads, D=64). Arithmetic in float32, outputs
 // rounded once to the input type.

@@ -44,10 +44,13 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
 // all of them for the query ApplyRopeParts(q, rope_cos, rope_sin) (fused_ops.h): q comes in
 // unrotated ([B,T,H,D], unit stride in D; cos, sin [T, D/2] float32), so that its gradient
 // leaves the float32 sum of the branches' through RoPE's backward, rounded there once.
-// One autograd node: the mixing's backward reads each branch's output and writes its dO, so
-// it also sums rowsum(dO * O) for each, which the three attention backwards otherwise each
-// computed in a pass of their own (36 us per branch per layer at batch 16, T=2048, D64 12:2 on an H100); and the three
-// branches' dq are summed in float32, the compressed one starting the sum, and rounded once.
+// One autograd node: the mixing's backward reads each branch's output, so it also sums
+// rowsum(dO * O) for each, which the three attention backwards otherwise each computed in a
+// pass of their own (36 us per branch per layer at batch 16, T=2048, D64 12:2 on an H100). A
+// branch whose backward runs on our kernels gets its gate folded into its softmax (GateFold,
+// fused_launchers.h) and the mix's gradient itself; only cuDNN / FlashAttention-2 branches get
+// a written g * dO. The three branches' dq are summed in float32, the compressed one starting
+// the sum, and rounded once.
 std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& rope_cos,
                                                       const torch::Tensor& rope_sin, const torch::Tensor& k_cmp,
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
