@@ -238,8 +238,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
            LaneGrid(rows, vec ? lanes : 32), 0, dout.data_ptr<scalar_t>(), gates.data_ptr<scalar_t>(),
            a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(),
            da.defined() ? da.data_ptr<scalar_t>() : nullptr, db.defined() ? db.data_ptr<scalar_t>() : nullptr,
-           dc.defined() ? dc.data_ptr<scalar_t>() : nullptr, deltas ? deltas->data_ptr<float>() : nullptr, fold_ptrs, rows,
-           static_cast<int>(a.size(3)), vec ? lanes : 32);
+           dc.defined() ? dc.data_ptr<scalar_t>() : nullptr, deltas ? deltas->data_ptr<float>() : nullptr,
+           fold_ptrs, rows, static_cast<int>(a.size(3)), vec ? lanes : 32);
   });
   return {dgates, da, db, dc};
 }
