@@ -284,13 +284,17 @@ struct CmpSmemCfg {
   static constexpr int kTileBytes = kN * D * 2;
   static constexpr int kSbTiles = 5;          // selection-block columns per key tile / 8
   static constexpr int kXld = 8 * kSbTiles + 4;  // floats per row of staged X
-  static constexpr int kFwdSmem = 2 * 2 * kTileBytes;  // K and V, two stages
   static constexpr int kMaxCarry = 4;  // selection blocks a tile shares with the next
-  // W's B fragments, one uint2 per lane per (k16 step, n8 tile): read from shared memory
-  // instead of held in 40 registers, which kept the pass at two CTAs per SM.
-  static constexpr int kWFragBytes = kN / 16 * kSbTiles * 32 * 8;
-  static constexpr int kImpSmem =
-      2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4 + kWFragBytes;
+  // Dynamic shared memory of the forward and dQ (K and V, two stages) and of the importance
+  // pass. Functions, not constants: each configuration is used by one side only, and nvcc
+  // warns about the other side's constants (#177-D), never about an unused function.
+  static constexpr int FwdSmem() { return 2 * 2 * kTileBytes; }
+  static constexpr int ImpSmem() {
+    // W's B fragments, one uint2 per lane per (k16 step, n8 tile): read from shared memory
+    // instead of held in 40 registers, which kept the pass at two CTAs per SM.
+    constexpr int kWFragBytes = kN / 16 * kSbTiles * 32 * 8;
+    return 2 * kTileBytes + kRows * kXld * 4 + 2 * kRows * kMaxCarry * 4 + kWFragBytes;
+  }
 };
 
 // (a, b) as fp16 pairs hi + lo: hi rounded, lo the rounding residual.
@@ -1073,8 +1077,8 @@ void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor&
   const QueryGrid sg = SmemQueryGrid<D>(s);
   if (sg.Empty()) return;
   const auto fwd = CmpSmemKernel<scalar_t, D, false>;
-  AllowSmem(fwd, Cfg::kFwdSmem);
-  fwd<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+  AllowSmem(fwd, Cfg::FwdSmem());
+  fwd<<<sg.grid, Cfg::kThreads, Cfg::FwdSmem(), at::cuda::getCurrentCUDAStream()>>>(
       q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, sg.per_cta, NS, g.slc_block,
       g.cmp_block, g.cmp_stride, scale_log2);
@@ -1096,8 +1100,8 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     const bool quad = QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) &&
                       compressed_map.load() != CompressedKernelChoice::Map::kProduct;
     const auto imp = quad ? CmpSmemKernel<scalar_t, D, true, true> : CmpSmemKernel<scalar_t, D, true, false>;
-    AllowSmem(imp, Cfg::kImpSmem);
-    imp<<<sg.grid, Cfg::kThreads, Cfg::kImpSmem, stream>>>(
+    AllowSmem(imp, Cfg::ImpSmem());
+    imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
         importance.data_ptr<float>(), s, sg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
   } else {
@@ -1244,8 +1248,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
         if (!LegacyRequested()) {
           if (!sg.Empty()) {
             const auto launch = [&](auto kernel, auto* dq_out) {
-              AllowSmem(kernel, Cfg::kFwdSmem);
-              kernel<<<sg.grid, Cfg::kThreads, Cfg::kFwdSmem, at::cuda::getCurrentCUDAStream()>>>(
+              AllowSmem(kernel, Cfg::FwdSmem());
+              kernel<<<sg.grid, Cfg::kThreads, Cfg::FwdSmem(), at::cuda::getCurrentCUDAStream()>>>(
                   q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
                   dout.data_ptr<scalar_t>(), lse.data_ptr<float>(), delta.data_ptr<float>(), dq_out, s,
                   sg.per_cta, g.cmp_block, g.cmp_stride, scale * kLog2e, scale);
