@@ -45,6 +45,8 @@ constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
 constexpr std::pair<const char*, CompressedChoice::KeySide> kCmpKeySideNames[] = {
     {"auto", CompressedChoice::KeySide::kAuto}, {"smem", CompressedChoice::KeySide::kSmem},
     {"wgmma", CompressedChoice::KeySide::kWgmma}};
+constexpr std::pair<const char*, CompressedChoice::Pass> kCmpPassNames[] = {
+    {"auto", CompressedChoice::Pass::kAuto}, {"two", CompressedChoice::Pass::kTwo}};
 constexpr std::pair<const char*, CompressedChoice::Path> kCmpNames[] = {
     {"auto", CompressedChoice::Path::kAuto}, {"own", CompressedChoice::Path::kOwn},
     {"registers", CompressedChoice::Path::kRegisters},

@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product] [--cmp-key-side auto|smem|wgmma]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 //             [--tiled-mma auto|sync|wgmma|wgmma1]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
@@ -280,6 +280,8 @@ int main(int argc, char** argv) {
       if (!ParseChoiceFlag("--cmp-map", kCmpMapNames, argv[i + 1], cmp_choice.map)) return 2;
     } else if (a == "--cmp-key-side") {
       if (!ParseChoiceFlag("--cmp-key-side", nsad::bench::kCmpKeySideNames, argv[i + 1], cmp_choice.key_side)) return 2;
+    } else if (a == "--cmp-pass") {
+      if (!ParseChoiceFlag("--cmp-pass", nsad::bench::kCmpPassNames, argv[i + 1], cmp_choice.pass)) return 2;
     } else if (a == "--win-fwd") {
       if (!ParseChoiceFlag("--win-fwd", kWinFwdNames, argv[i + 1], win_choice.forward)) return 2;
     } else if (a == "--win-bwd") {
@@ -325,8 +327,10 @@ int main(int argc, char** argv) {
               choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);
-  std::printf("# compressed kernels: %s, importance map %s, backward key side %s\n", NameOf(kCmpNames, cmp_choice.path),
-              NameOf(kCmpMapNames, cmp_choice.map), NameOf(nsad::bench::kCmpKeySideNames, cmp_choice.key_side));
+  std::printf("# compressed kernels: %s, importance map %s, backward key side %s, forward passes %s\n",
+              NameOf(kCmpNames, cmp_choice.path), NameOf(kCmpMapNames, cmp_choice.map),
+              NameOf(nsad::bench::kCmpKeySideNames, cmp_choice.key_side),
+              NameOf(nsad::bench::kCmpPassNames, cmp_choice.pass));
   nsad::nsa::cuda::detail::SetWindowKernelChoiceForTesting(win_choice);
   std::printf("# window forward: %s\n", NameOf(kWinFwdNames, win_choice.forward));
   std::printf("# window backward: %s, positions per work item %d%s\n", NameOf(kWinBwdNames, win_choice.backward),

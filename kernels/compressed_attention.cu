@@ -8,7 +8,10 @@
 // has been seen: the forward kernel saves the row log-sum-exp, and a second pass
 // (CmpImportanceKernel) recomputes the scores chunk by chunk, turns them into probabilities
 // and maps them straight onto selection blocks (weighted by the token overlap), summed over
-// the group's heads. The [B,T,H,N] probabilities are never stored.
+// the group's heads. The [B,T,H,N] probabilities are never stored. Where every compressed
+// block fits two 64-key tiles (T <= 2064 in m7c's geometry, head_dim 64), CmpOnePassKernel
+// does both in one pass: all of a row's scores fit its registers, so the row's sum is known
+// before any P is used.
 //
 // bf16/fp16 inputs run on tensor cores. Default: FlashAttention-2-style kernels with
 // shared-memory tiles (CmpSmemKernel forward / importance, CmpSmemDqKernel,
@@ -40,12 +43,14 @@ namespace {
 std::atomic<CompressedKernelChoice::Path> compressed_choice{CompressedKernelChoice::Path::kAuto};
 std::atomic<CompressedKernelChoice::Map> compressed_map{CompressedKernelChoice::Map::kAuto};
 std::atomic<CompressedKernelChoice::KeySide> compressed_key_side{CompressedKernelChoice::KeySide::kAuto};
+std::atomic<CompressedKernelChoice::Pass> compressed_pass{CompressedKernelChoice::Pass::kAuto};
 }  // namespace
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice) {
   compressed_choice.store(choice.path);
   compressed_map.store(choice.map);
   compressed_key_side.store(choice.key_side);
+  compressed_pass.store(choice.pass);
 }
 
 CompressedKernelChoice GetCompressedKernelChoice() {
@@ -53,6 +58,7 @@ CompressedKernelChoice GetCompressedKernelChoice() {
   choice.path = compressed_choice.load();
   choice.map = compressed_map.load();
   choice.key_side = compressed_key_side.load();
+  choice.pass = compressed_pass.load();
   return choice;
 }
 
@@ -326,9 +332,12 @@ __host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, in
 }
 
 // p: one m16 tile's P (kNt n8 tiles, C layout); x_row: staged X of the lane's row g, row
-// g + 8 eight rows on (x_ld floats per row).
+// g + 8 eight rows on (x_ld floats per row). carry[h] (lane 3's, row g + 8h): in, the spill
+// of the key tile before into this tile's first selection block (0 for a first tile); out,
+// this tile's own last spill, which the caller stores (column 2 kNt) or carries on.
 template <int kNt>
-__device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_row, int x_ld, float d, int lane) {
+__device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
+                                                   int lane, float (&carry)[2]) {
   constexpr unsigned kAll = 0xffffffffu;
   const int c = lane & 3;
   const bool odd = (c & 1) != 0;
@@ -336,7 +345,7 @@ __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_r
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float* const x = x_row + h * 8 * x_ld;
-    float prev_spill = 0.f;  // lane 3: its spill of the n8 tile before
+    float prev_spill = carry[h];  // lane 3: its spill of the n8 tile before
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
       const float p0 = p[n][2 * h], p1 = p[n][2 * h + 1];
@@ -347,7 +356,18 @@ __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_r
       if (!odd) x[2 * n + (c >> 1)] = pair + in;
       prev_spill = spill;
     }
-    if (c == 3) x[2 * kNt] = prev_spill;
+    carry[h] = prev_spill;
+  }
+}
+
+// One tile on its own: no spill comes in, the last one is stored in column 2 kNt.
+template <int kNt>
+__device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_row, int x_ld, float d, int lane) {
+  float carry[2] = {0.f, 0.f};
+  QuadMapRowsCarried<kNt>(p, x_row, x_ld, d, lane, carry);
+  if ((lane & 3) == 3) {
+    x_row[2 * kNt] = carry[0];
+    x_row[8 * x_ld + 2 * kNt] = carry[1];
   }
 }
 
@@ -554,6 +574,181 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   }
 
   if constexpr (!kImportance) smem_fwd::Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
+}
+
+// The forward and the importance in one pass, where every compressed block fits two kN-key
+// tiles (s.Tk <= 128: T <= 2064 in m7c's geometry, whose training shape has 127 blocks), at
+// head_dim 64 in the paper's geometry (QuadMapRows). Two passes compute every score and
+// exponential twice: the importance needs the final row sums. With at most 128 keys a lane
+// holds all of its rows' scores (two tiles of one m16 tile: 64 floats), so the row max and sum
+// are exact before any P is used, and P = exp2(S - max) / sum serves both the map onto
+// selection blocks and O = P V (P normalised first, so O needs no division). Both tiles' K and
+// V are staged at once, next to the X rows the map writes. 128 rows per CTA as the two-pass
+// kernels, one m16 tile per warp.
+struct CmpOnePassCfg {
+  static constexpr int kD = 64, kN = 64, kTiles = 2;
+  static constexpr int kWarps = 8, kThreads = 32 * kWarps, kRows = 16 * kWarps;
+  static constexpr int kTileBytes = kN * kD * 2;
+  // Selection blocks per key tile in the paper's geometry (kN d / l' with l' = 4d), and the
+  // columns of a row's X: kTiles of them plus the last tile's spill, padded.
+  static constexpr int kBlocksPerTile = kN / 4;
+  static constexpr int kXld = kTiles * kBlocksPerTile + 4;
+  static constexpr int kKvBytes = 2 * kTiles * kTileBytes;
+  static constexpr int kSmem = kKvBytes + kRows * kXld * 4;
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
+    CmpOnePassKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                     const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse,
+                     float* __restrict__ importance, Shape s, int positions_per_cta, int NS, int cmp_block,
+                     int cmp_stride, float scale_log2) {
+  using Cfg = CmpOnePassCfg;
+  constexpr int D = Cfg::kD, kN = Cfg::kN, kNt = kN / 8;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  float* const xs = smem + Cfg::kKvBytes / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int hq = s.hq();
+  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
+  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int positions = min(positions_per_cta, s.T - t0);
+  const int rows = positions * hq;
+
+  const smem_fwd::LaneRows<1> lr(s, b, grp, t0, rows, warp, lane);
+  int row_vis[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    row_vis[h] = lr.valid[0][h] ? CmpVisible(t0 + lr.pos[0][h], s.Tk, cmp_block, cmp_stride) : 0;
+  const int vis_end = CmpVisible(t0 + positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;  // <= kTiles (the host checks s.Tk)
+
+  // Both tiles at once (buffer t: K then V); Q's fragments load meanwhile.
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, b, 0, grp);
+  const scalar_t* v_base = v + KeyOffset(s, b, 0, grp);
+  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int key0 = tile * kN, count = min(kN, vis_end - key0);
+    const uint32_t buf = smem_base + tile * 2 * Cfg::kTileBytes;
+    copy_plan.Issue(buf, k_base + key0 * kv_stride, count);
+    copy_plan.Issue(buf + Cfg::kTileBytes, v_base + key0 * kv_stride, count);
+  }
+  mma::CpAsyncCommit();
+  uint32_t qf[1][D / 16][4];
+  smem_fwd::LoadRowFragments<D, 1>(qf, q, lr.index, lr.valid, lane);
+  mma::CpAsyncWaitAll();
+  __syncthreads();
+
+  if (16 * warp < rows) {  // warp-uniform; idle warps only meet the barrier below
+    // Raw scores, -inf where the row does not see the key (and for a tile the CTA has none of).
+    float sc[Cfg::kTiles][1][kNt][4];
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
+      if (tile < tiles) smem_fwd::Scores<kBf16, D, 1, kN>(sc[tile], qf, smem_base + tile * 2 * Cfg::kTileBytes, lane);
+#pragma unroll
+      for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, key = tile * kN + 8 * n + 2 * c + (e & 1);
+          float& x = sc[tile][0][n][e];
+          x = tile < tiles && key < row_vis[h] ? x : -INFINITY;
+          mx[h] = fmaxf(mx[h], x);
+        }
+      }
+    }
+    // Exact row max and sum (log2 units), then P normalised in place.
+    float base[2], sum[2] = {0.f, 0.f}, inv[2], row_lse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m = mma::QuadMax(mx[h]) * scale_log2;  // scale_log2 > 0 keeps the order
+      base[h] = m == -INFINITY ? 0.f : m;                 // a row that sees nothing: p = 0
+    }
+#pragma unroll
+    for (int tile = 0; tile < Cfg::kTiles; ++tile)
+#pragma unroll
+      for (int n = 0; n < kNt; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = sc[tile][0][n][e];
+          x = mma::Exp2(fmaf(x, scale_log2, -base[e >> 1]));
+          sum[e >> 1] += x;
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = mma::QuadSum(sum[h]);
+      inv[h] = l > 0.f ? 1.f / l : 0.f;
+      row_lse[h] = l > 0.f ? base[h] + log2f(l) : INFINITY;
+    }
+#pragma unroll
+    for (int tile = 0; tile < Cfg::kTiles; ++tile)
+#pragma unroll
+      for (int n = 0; n < kNt; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[tile][0][n][e] *= inv[e >> 1];
+
+    // Importance: P onto selection blocks, the spill of tile 0's last key carried into tile 1.
+    float* const x_row = xs + (16 * warp + g) * Cfg::kXld;
+    float carry[2] = {0.f, 0.f};
+    const float overlap_d = static_cast<float>(cmp_stride);
+#pragma unroll
+    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
+      if (tile < tiles)
+        QuadMapRowsCarried<kNt>(sc[tile][0], x_row + tile * Cfg::kBlocksPerTile, Cfg::kXld, overlap_d, lane, carry);
+    }
+    if (c == 3 && tiles > 0) {
+      x_row[tiles * Cfg::kBlocksPerTile] = carry[0];
+      x_row[8 * Cfg::kXld + tiles * Cfg::kBlocksPerTile] = carry[1];
+    }
+
+    // O = P V over both tiles, then the rows and their lse.
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+#pragma unroll
+    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
+      if (tile >= tiles) continue;
+      const uint32_t vbuf = smem_base + tile * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        uint32_t a[4];
+        mma::PackA<kBf16>(a, sc[tile][0][2 * kk], sc[tile][0][2 * kk + 1]);
+#pragma unroll
+        for (int p = 0; p < D / 16; ++p) {
+          uint32_t vb[4];
+          mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4)));
+          mma::Mma<kBf16>(o[2 * p], a[0], a[1], a[2], a[3], vb[0], vb[1]);
+          mma::Mma<kBf16>(o[2 * p + 1], a[0], a[1], a[2], a[3], vb[2], vb[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!lr.valid[0][h]) continue;
+      uint32_t* orow = reinterpret_cast<uint32_t*>(out + lr.index[0][h] * D);
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(o[i][2 * h], o[i][2 * h + 1]);
+      if (c == 0) lse[lr.index[0][h]] = row_lse[h];
+    }
+  }
+  __syncthreads();  // every row's X is staged
+
+  // The group's heads summed per (position, selection block) in a fixed order; blocks past
+  // the columns the map wrote (no visible compressed block reaches them) are 0.
+  const int written = tiles == 0 ? 0 : tiles * Cfg::kBlocksPerTile + 1;
+  float* const imp_rows =
+      importance + (static_cast<int64_t>(b) * s.T + t0) * s.G * NS + static_cast<int64_t>(grp) * NS;
+  for (int i = threadIdx.x; i < positions * NS; i += Cfg::kThreads) {
+    const int pos = i / NS, sb = i - pos * NS;
+    float total = 0.f;
+    if (sb < written) {
+      const float* x = xs + pos * hq * Cfg::kXld + sb;
+      for (int h = 0; h < hq; ++h) total += x[h * Cfg::kXld];
+    }
+    imp_rows[static_cast<int64_t>(pos) * s.G * NS + sb] = total;
+  }
 }
 
 // dQ with shared-memory K/V tiles, the same CTA shape and staging as CmpSmemKernel's
@@ -1085,6 +1280,28 @@ void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the shared-memory forward and importance run as one pass (CmpOnePassKernel's
+// conditions; the caller has chosen the shared-memory path for bf16/fp16).
+bool UseOnePass(const Shape& s, const Geo& g) {
+  using Choice = CompressedKernelChoice;
+  return s.D == CmpOnePassCfg::kD && s.Tk <= CmpOnePassCfg::kTiles * CmpOnePassCfg::kN &&
+         QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) && compressed_map.load() != Choice::Map::kProduct &&
+         compressed_pass.load() != Choice::Pass::kTwo;
+}
+
+template <typename scalar_t>
+void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
+                    at::Tensor& lse, at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2) {
+  const QueryGrid sg = SmemQueryGrid<CmpOnePassCfg::kD>(s);
+  if (sg.Empty()) return;
+  const auto kernel = CmpOnePassKernel<scalar_t>;
+  AllowSmem(kernel, CmpOnePassCfg::kSmem);
+  kernel<<<sg.grid, CmpOnePassCfg::kThreads, CmpOnePassCfg::kSmem, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+      lse.data_ptr<float>(), importance.data_ptr<float>(), s, sg.per_cta, NS, g.cmp_block, g.cmp_stride, scale_log2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The importance pass on tensor cores, from the row log-sum-exp (the shared-memory kernel
 // writes every importance value; the register-only one adds into zeros).
 template <typename scalar_t, int D>
@@ -1154,6 +1371,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
       constexpr int D = decltype(dim)::value;
       if constexpr (!std::is_same_v<scalar_t, float>) {
         if (smem_path) {
+          if constexpr (D == CmpOnePassCfg::kD) {
+            if (UseOnePass(s, g)) {
+              OnePassForward<scalar_t>(q, k_cmp, v_cmp, out, lse, importance, s, g, NS, scale_log2);
+              return;
+            }
+          }
           SmemForward<scalar_t, D>(q, k_cmp, v_cmp, out, lse, s, g, NS, scale_log2);
         } else {
           const QueryGrid mg = MmaQueryGrid(s);

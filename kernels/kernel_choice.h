@@ -85,9 +85,14 @@ struct CompressedKernelChoice {
   // (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) under the compressed mask, kAuto
   // kWgmma where it runs (measured, compressed_attention.cu).
   enum class KeySide { kAuto, kSmem, kWgmma };
+  // The shared-memory forward and importance: kAuto runs them as one pass (CmpOnePassKernel)
+  // where every compressed block fits two 64-key tiles at head_dim 64 in the paper's geometry,
+  // kTwo always as two (the forward, then the importance from its lse).
+  enum class Pass { kAuto, kTwo };
   Path path = Path::kAuto;
   Map map = Map::kAuto;
   KeySide key_side = KeySide::kAuto;
+  Pass pass = Pass::kAuto;
 };
 
 void SetCompressedKernelChoiceForTesting(const CompressedKernelChoice& choice);

@@ -16,7 +16,7 @@
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
-//               [--cmp-key-side auto|smem|wgmma]
+//               [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -416,6 +416,16 @@ int main(int argc, char** argv) {
       std::printf("# compressed backward's key side: %s\n", value.c_str());
 #else
       std::fprintf(stderr, "--cmp-key-side needs the CUDA kernels (this build has none)\n");
+      return 2;
+#endif
+    } else if (flag == "--cmp-pass") {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+      auto choice = nsad::nsa::cuda::detail::GetCompressedKernelChoice();
+      if (!nsad::bench::ParseChoiceFlag("--cmp-pass", nsad::bench::kCmpPassNames, value, choice.pass)) return 2;
+      nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(choice);
+      std::printf("# compressed forward's passes: %s\n", value.c_str());
+#else
+      std::fprintf(stderr, "--cmp-pass needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
     } else if (flag == "--tiled-mma") {

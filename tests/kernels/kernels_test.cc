@@ -562,6 +562,77 @@ TEST_F(CompressedOnCudnn, DefaultFromSixteenKTokens) {
   Check(16400, 4, 2, Geometry{});
 }
 
+// The one-pass forward and importance (CmpOnePassKernel: every compressed block in two
+// 64-key tiles, head_dim 64, the paper's geometry) at the lengths around its limits: no
+// block (T < 32), one tile, the second tile's first block (T = 1056), the training length
+// and the last length it takes (T = 2064, 128 blocks); 6 and 16 heads per group, bf16 and
+// fp16. Against the float32 reference (output, gradients, importance from the reference
+// probabilities) and against the two-pass kernels (CompressedKernelChoice::Pass::kTwo),
+// whose output must differ in some bits at T = 2048 -- the proof that another kernel ran.
+TEST(CompressedOnePass, MatchesTheReferenceAndTheTwoPassKernels) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(cuda::Available());
+  using Choice = cuda::detail::CompressedKernelChoice;
+  const Geometry geo;
+  const int64_t B = 2, D = 64;
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    const auto a64 = a.detach().to(torch::kDouble), b64 = b.detach().to(torch::kDouble);
+    const double ref = b64.norm().item<double>(), err = (a64 - b64).norm().item<double>();
+    return ref == 0.0 ? err : err / ref;
+  };
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const auto [H, G] : {std::pair<int64_t, int64_t>{12, 2}, {64, 4}}) {
+      for (const int64_t T : {int64_t{1}, int64_t{31}, int64_t{33}, int64_t{1056}, int64_t{2048}, int64_t{2064}}) {
+        SCOPED_TRACE("T=" + std::to_string(T) + " H=" + std::to_string(H) + " G=" + std::to_string(G) +
+                     (dtype == torch::kHalf ? " fp16" : " bf16"));
+        torch::manual_seed(T * 7 + H);
+        const auto opts = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
+        const int64_t N = NumCmpBlocks(T, geo), NS = NumSlcBlocks(T, geo);
+        ASSERT_LE(N, 128);
+        auto q = torch::randn({B, T, H, D}, opts).requires_grad_(true);
+        auto k = torch::randn({B, N, G, D}, opts).requires_grad_(true);
+        auto v = torch::randn({B, N, G, D}, opts).requires_grad_(true);
+        const auto grad = torch::randn({B, T, H, D}, opts);
+        auto one = cuda::CompressedAttention(q, k, v, geo);
+        one.out.backward(grad);
+        Choice two_pass;
+        two_pass.pass = Choice::Pass::kTwo;
+        cuda::CmpImportanceResult two;
+        {
+          const cuda::detail::ScopedCompressedKernelChoice force(two_pass);
+          two = cuda::CompressedAttention(q.detach(), k.detach(), v.detach(), geo);
+        }
+
+        auto q32 = q.detach().to(torch::kFloat).requires_grad_(true);
+        auto k32 = k.detach().to(torch::kFloat).requires_grad_(true);
+        auto v32 = v.detach().to(torch::kFloat).requires_grad_(true);
+        auto ref = CompressedAttentionReference(q32, k32, v32, geo);
+        ref.out.backward(grad.to(torch::kFloat));
+        EXPECT_FALSE(one.out.isnan().any().item<bool>());
+        EXPECT_LT(rel(one.out, ref.out), 2e-2);
+        EXPECT_LT(rel(q.grad(), q32.grad()), 2e-2);
+        if (N > 0) {
+          EXPECT_LT(rel(k.grad(), k32.grad()), 2e-2);
+          EXPECT_LT(rel(v.grad(), v32.grad()), 2e-2);
+        }
+        const auto dbl = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA);
+        const auto cmp_start = (torch::arange(N, dbl) * geo.cmp_stride).unsqueeze(1);
+        const auto slc_start = (torch::arange(NS, dbl) * geo.slc_block).unsqueeze(0);
+        const auto overlap = (torch::minimum(cmp_start + geo.cmp_block, slc_start + geo.slc_block) -
+                              torch::maximum(cmp_start, slc_start))
+                                 .clamp_min(0.0);
+        const auto want = torch::matmul(ref.probs.to(torch::kDouble).view({B, T, G, H / G, N}).sum(3), overlap);
+        EXPECT_LT(rel(one.importance, want), 2e-2);
+
+        // The two kernels compute the same probabilities in float32, in another order.
+        EXPECT_LT(rel(one.importance, two.importance), 1e-5);
+        EXPECT_LT(rel(one.out, two.out), 1e-2);
+        if (T == 2048) EXPECT_FALSE(torch::equal(one.out, two.out)) << "the one-pass kernel did not run";
+      }
+    }
+  }
+}
+
 TEST(SelectBlocksLongRows, FollowTheRules) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
