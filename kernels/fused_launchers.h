@@ -29,6 +29,10 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
                         const at::Tensor& sin, uint32_t rotate_mask,
                         std::optional<at::ScalarType> dx_type = std::nullopt);
+// The most local memory (bytes per thread) any RoPE kernel instance uses: none is expected.
+// Where one spills or indexes an array at run time, its threads go through local memory for
+// every row (see PartPointer in rope.cu).
+int64_t RopeKernelsLocalBytes();
 
 // out = g0 * a + g1 * b + g2 * c with gates [B,T,H,3] and a, b, c [B,T,H,D], all contiguous
 // and of one dtype.

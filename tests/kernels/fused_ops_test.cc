@@ -169,6 +169,14 @@ TEST_P(FusedOpsTest, RopeOfRowsAlignedForFourPairsOnlyMatchesTheReference) {
   CheckRope(x, Table(c.T), {true}, -1);
 }
 
+// The RoPE kernels once indexed their part pointers at run time, which put the array on every
+// thread's stack (64 bytes each) and cost 40% of their bandwidth; no instance may use local
+// memory again.
+TEST(FusedOpsKernels, RopeKernelsUseNoLocalMemory) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(cuda::detail::RopeKernelsLocalBytes(), 0);
+}
+
 // D = the case's head dim takes the vector kernels (16-bit types; D/8 lanes per row), D - 4
 // (not 8 times a power of two) the one-element-per-lane kernels.
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {
