@@ -694,56 +694,66 @@ TEST(SelectBlocksLongRows, SmallestAndLargestTopN) {
 // The inverted block map (block_map.h) against one built on the host from its definition:
 // entries grouped by (b, g, block), positions ascending inside, unused slots last; segments
 // cut into items of queries_per_item entries; items in position order by their first entry.
+// Three uses of the slots: all blocks drawn; only even blocks, so every other segment is empty;
+// no slot used at all, so every segment is.
 TEST(InvertBlockMap, MatchesTheHostDefinition) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t B = 2, T = 301, G = 3, n = 4;
-  const int NS = 11;
-  for (const int per_item : {1, 7, 512}) {
-    torch::manual_seed(per_item);
-    // Distinct blocks per row (a random permutation's first n), about one slot in five unused.
-    auto idx = torch::rand({B, T, G, NS}).argsort(int64_t{-1}).slice(-1, 0, n).to(torch::kInt);
-    idx = torch::where(torch::rand({B, T, G, n}) < 0.2, torch::full({}, -1, torch::kInt), idx).contiguous();
-    for (const bool position_order : {false, true}) {
-      const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order);
-      const int64_t S = B * G * NS, E = idx.numel();
-      const int* e_blk = idx.data_ptr<int>();
-      std::vector<int64_t> key(E), entries(E);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t g = (e / n) % G, b = e / (n * G * T);
-        key[e] = e_blk[e] < 0 ? S : (b * G + g) * NS + e_blk[e];
-      }
-      std::iota(entries.begin(), entries.end(), 0);
-      std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
-      std::vector<int64_t> seg_off(S + 1, 0), chunk_off(S + 1, 0);
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t count = std::count(key.begin(), key.end(), s);
-        seg_off[s + 1] = seg_off[s] + count;
-        chunk_off[s + 1] = chunk_off[s] + (count + per_item - 1) / per_item;
-      }
-      const auto sorted = map.sorted_entry.cpu(), so = map.seg_off.cpu(), co = map.chunk_off.cpu();
-      ASSERT_EQ(map.segments, S);
-      ASSERT_GE(map.max_items, chunk_off[S]);
-      for (int64_t i = 0; i < E; ++i) ASSERT_EQ(sorted.data_ptr<int>()[i], entries[i]) << i;
-      for (int64_t s = 0; s <= S; ++s) {
-        ASSERT_EQ(so.data_ptr<int64_t>()[s], seg_off[s]) << s;
-        ASSERT_EQ(co.data_ptr<int64_t>()[s], chunk_off[s]) << s;
-      }
-      const auto item_seg = map.item_seg.cpu();
-      std::vector<int64_t> first_position(map.max_items, std::numeric_limits<int64_t>::max());
-      for (int64_t s = 0; s < S; ++s) {
-        for (int64_t item = chunk_off[s]; item < chunk_off[s + 1]; ++item) {
-          ASSERT_EQ(item_seg.data_ptr<int>()[item], s) << item;
-          first_position[item] = entries[seg_off[s] + (item - chunk_off[s]) * per_item] / (G * n);
+  enum class Use { kAll, kEvenBlocks, kNoSlot };
+  for (const Use use : {Use::kAll, Use::kEvenBlocks, Use::kNoSlot}) {
+    for (const int per_item : {1, 7, 512}) {
+      SCOPED_TRACE("use " + std::to_string(static_cast<int>(use)) + ", per_item " + std::to_string(per_item));
+      const int drawn = 11;  // blocks drawn from; even blocks spread them over 2 * drawn
+      const int NS = use == Use::kEvenBlocks ? 2 * drawn : drawn;
+      torch::manual_seed(per_item);
+      // Distinct blocks per row (a random permutation's first n), about one slot in five unused
+      // (all with kNoSlot).
+      auto idx = torch::rand({B, T, G, drawn}).argsort(int64_t{-1}).slice(-1, 0, n).to(torch::kInt);
+      if (use == Use::kEvenBlocks) idx = idx * 2;
+      const double unused = use == Use::kNoSlot ? 1.0 : 0.2;
+      idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx).contiguous();
+      for (const bool position_order : {false, true}) {
+        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order);
+        const int64_t S = B * G * NS, E = idx.numel();
+        const int* e_blk = idx.data_ptr<int>();
+        std::vector<int64_t> key(E), entries(E);
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t g = (e / n) % G, b = e / (n * G * T);
+          key[e] = e_blk[e] < 0 ? S : (b * G + g) * NS + e_blk[e];
         }
+        std::iota(entries.begin(), entries.end(), 0);
+        std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+        std::vector<int64_t> seg_off(S + 1, 0), chunk_off(S + 1, 0);
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t count = std::count(key.begin(), key.end(), s);
+          seg_off[s + 1] = seg_off[s] + count;
+          chunk_off[s + 1] = chunk_off[s] + (count + per_item - 1) / per_item;
+        }
+        const auto sorted = map.sorted_entry.cpu(), so = map.seg_off.cpu(), co = map.chunk_off.cpu();
+        ASSERT_EQ(map.segments, S);
+        ASSERT_GE(map.max_items, chunk_off[S]);
+        for (int64_t i = 0; i < E; ++i) ASSERT_EQ(sorted.data_ptr<int>()[i], entries[i]) << i;
+        for (int64_t s = 0; s <= S; ++s) {
+          ASSERT_EQ(so.data_ptr<int64_t>()[s], seg_off[s]) << s;
+          ASSERT_EQ(co.data_ptr<int64_t>()[s], chunk_off[s]) << s;
+        }
+        const auto item_seg = map.item_seg.cpu();
+        std::vector<int64_t> first_position(map.max_items, std::numeric_limits<int64_t>::max());
+        for (int64_t s = 0; s < S; ++s) {
+          for (int64_t item = chunk_off[s]; item < chunk_off[s + 1]; ++item) {
+            ASSERT_EQ(item_seg.data_ptr<int>()[item], s) << item;
+            first_position[item] = entries[seg_off[s] + (item - chunk_off[s]) * per_item] / (G * n);
+          }
+        }
+        ASSERT_EQ(map.item_order.defined(), position_order);
+        if (!position_order) continue;
+        std::vector<int64_t> order(map.max_items);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t x, int64_t y) { return first_position[x] < first_position[y]; });
+        const auto got = map.item_order.cpu();
+        for (int64_t i = 0; i < map.max_items; ++i) ASSERT_EQ(got.data_ptr<int>()[i], order[i]) << i;
       }
-      ASSERT_EQ(map.item_order.defined(), position_order);
-      if (!position_order) continue;
-      std::vector<int64_t> order(map.max_items);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int64_t x, int64_t y) { return first_position[x] < first_position[y]; });
-      const auto got = map.item_order.cpu();
-      for (int64_t i = 0; i < map.max_items; ++i) ASSERT_EQ(got.data_ptr<int>()[i], order[i]) << i;
     }
   }
 }
