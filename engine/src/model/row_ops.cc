@@ -1,5 +1,7 @@
 #include "model/row_ops.h"
 
+#include <torch/autograd.h>
+
 namespace nsad {
 
 torch::Tensor SumRows(const torch::Tensor& g) {
@@ -31,6 +33,36 @@ void CopyInWords(torch::Tensor dst, const torch::Tensor& src) {
   } else {
     dst.copy_(src);
   }
+}
+
+namespace {
+
+struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& weight,
+                               const torch::Tensor& tokens) {
+    ctx->save_for_backward({tokens});
+    ctx->saved_data["vocab"] = weight.size(0);
+    return at::embedding(weight, tokens);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto tokens = ctx->get_saved_variables()[0];
+    const auto& g = grads[0];
+    const int64_t dim = g.size(-1);
+    auto dw = at::zeros({ctx->saved_data["vocab"].toInt(), dim}, g.options());
+    dw.index_add_(0, tokens.reshape({-1}), g.reshape({-1, dim}));
+    return {dw, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens) {
+  TORCH_CHECK(weight.dim() == 2, "EmbeddingRows takes weight [V, D], got ", weight.sizes());
+  if (!weight.is_cuda() || !weight.requires_grad() || !torch::GradMode::is_enabled()) {
+    return at::embedding(weight, tokens);
+  }
+  return EmbeddingRowsFn::apply(weight, tokens);
 }
 
 }  // namespace nsad

@@ -15,6 +15,7 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "model/row_ops.h"
 #include "model/shared_input_linear.h"
 #include "model/weight_copies.h"
 #include "nsa/attention.h"
@@ -203,7 +204,7 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
     weight_copies_.Refresh(groups, *type);
     use_copies.emplace(&weight_copies_);
   }
-  auto x = embed_->forward(tokens);
+  auto x = EmbeddingRows(embed_->weight, tokens);
   torch::Tensor pending;  // the last block's MLP output, added together with the next norm
   int layer = 0;
   const bool checkpoint = activation_checkpointing_ && is_training() &&
