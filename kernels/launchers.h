@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <tuple>
 
 #include "nsa/kernel_limits.h"
@@ -34,10 +35,23 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
 // and comes back undefined: a caller summing several branches' dq rounds once, at the end.
 // delta: rowsum(dout * out) as float32 [B,T,H] where the caller has it (the gate mixing's
 // backward does); undefined, the backward computes it (RowDot).
+// With ahead (from StartSelectedBackwardMap on these inputs), the block map it built is used
+// instead of building one here; this stream waits for it first.
+struct PendingBlockMap;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum = nullptr, const at::Tensor& delta = {});
+    at::Tensor* dq_sum = nullptr, const at::Tensor& delta = {}, PendingBlockMap* ahead = nullptr);
+// Starts the selected backward's first step, the inverted block map (block_map.h: ten small
+// kernels, latency-bound), on a side stream that waits for the current one, so that it
+// overlaps what the caller runs before SelectedBackward; the result goes to SelectedBackward,
+// which joins the streams again (also under CUDA-graph capture).
+struct PendingBlockMapDeleter {
+  void operator()(PendingBlockMap* p) const;
+};
+using PendingBlockMapPtr = std::unique_ptr<PendingBlockMap, PendingBlockMapDeleter>;
+PendingBlockMapPtr StartSelectedBackwardMap(const at::Tensor& q, const at::Tensor& k, const at::Tensor& block_idx,
+                                            const Geo& g);
 
 // Compressed attention: out [B,T,H,D], lse [B,T,H], importance [B,T,G,NS].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tensor& q,

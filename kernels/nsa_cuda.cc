@@ -298,6 +298,7 @@ bool DenseCompressed(const torch::Tensor& q, const torch::Tensor& k_cmp, const G
 // returns each branch's delta (rowsum(dO * O), GateMixBackward) and folds the gates into the
 // branches that run on our kernels (GateFold: no d_k for them); the compressed dQ starts the
 // float32 dq sum, the selected and window backwards add to it, and RoPE's backward rounds it.
+// The selected backward's block map is built on a side stream meanwhile (StartSelectedBackwardMap).
 struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& q_unrotated, const torch::Tensor& k_cmp,
                              const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
@@ -333,6 +334,9 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     const Geo geo = ToGeo(g);
     const bool dense_cmp = ctx->saved_data["dense_cmp"].toBool();
     const bool wgmma_backward = ctx->saved_data["wgmma_backward"].toBool();
+    // The selected backward's block map needs only the forward's selection: started now on a
+    // side stream, its small kernels overlap the mixing's and the compressed branch's backwards.
+    auto selected_map = detail::StartSelectedBackwardMap(q, s[9], s[13], geo);
     // Each branch whose backward runs on our kernels (log2 lse) takes its gate folded into its
     // softmax and the mix's gradient itself (GateFold); cuDNN and FlashAttention-2 get d_k.
     detail::GateFold fold;
@@ -351,8 +355,9 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     const CompressedSaved c{s[3], none, branch_lse(0, s[4]), s[5], s[6], s[7], s[8]};
     auto [dq_c, dk_cmp, dv_cmp] =
         CompressedGradients(branch_dout(d_cmp), q, s[1], s[2], c, geo, dense_cmp, &dq_sum, deltas[0]);
-    auto [dq_s, dk_slc, dv_slc] = detail::SelectedBackward(branch_dout(d_slc), q, s[9], s[10], s[11],
-                                                           branch_lse(1, s[12]), s[13], geo, &dq_sum, deltas[1]);
+    auto [dq_s, dk_slc, dv_slc] =
+        detail::SelectedBackward(branch_dout(d_slc), q, s[9], s[10], s[11], branch_lse(1, s[12]), s[13], geo,
+                                 &dq_sum, deltas[1], selected_map.get());
     auto [dq_w, dk_win, dv_win] =
         WindowGradients(branch_dout(d_win), q, s[14], s[15], {s[16], branch_lse(2, s[17]), s[18], s[19]},
                         g.window, wgmma_backward, &dq_sum, deltas[2]);

@@ -37,6 +37,10 @@
 #include <mutex>
 #include <type_traits>
 
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
 #include "block_map.h"
 #include "launch_util.cuh"
 #include "mma_tile.cuh"
@@ -980,17 +984,77 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
   return {out, lse};
 }
 
+namespace {
+
+// The block map the selected backward walks for these inputs (its work split and order follow
+// the kernel choice).
+BlockMap SelectedBackwardMap(const at::Tensor& q, const Shape& s, const at::Tensor& block_idx, const Geo& g) {
+  const int n = static_cast<int>(block_idx.size(3));
+  const Choice choice = ChoiceFor(q, s, n);
+  const int NS = (s.T + g.slc_block - 1) / g.slc_block;
+  return InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, UseFusedDq(choice, q, s)));
+}
+
+}  // namespace
+
+struct PendingBlockMap {
+  BlockMap map;
+  at::cuda::CUDAEvent built;  // recorded on the side stream after the map's last kernel
+  const void* block_idx = nullptr;  // the entries it inverted, checked by SelectedBackward
+};
+void PendingBlockMapDeleter::operator()(PendingBlockMap* p) const { delete p; }
+
+PendingBlockMapPtr StartSelectedBackwardMap(const at::Tensor& q, const at::Tensor& k, const at::Tensor& block_idx,
+                                            const Geo& g) {
+  CheckSelected(q, k, k, block_idx, g);
+  PendingBlockMapPtr pending(new PendingBlockMap);
+  pending->block_idx = block_idx.data_ptr();
+  const auto current = at::cuda::getCurrentCUDAStream();
+  // High priority: its CTAs go ahead of the caller's wide kernels as SMs free up, so the map's
+  // serial chain of small kernels is not left waiting behind them.
+  const auto side = at::cuda::getStreamFromPool(/*isHighPriority=*/true, q.device().index());
+  at::cuda::CUDAEvent forked;
+  forked.record(current);
+  forked.block(side);
+  {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    pending->map = SelectedBackwardMap(q, MakeShape(q, k), block_idx, g);
+    pending->built.record(side);
+  }
+  return pending;
+}
+
+namespace {
+
+// The map a backward takes: one started ahead (joined here), or one built now.
+BlockMap TakeBlockMap(PendingBlockMap* ahead, const at::Tensor& q, const Shape& s, const at::Tensor& block_idx,
+                      const Geo& g) {
+  if (!ahead) return SelectedBackwardMap(q, s, block_idx, g);
+  TORCH_CHECK(ahead->block_idx == block_idx.data_ptr(), "SelectedBackward: the block map started ahead belongs to "
+              "other block indices");
+  const auto current = at::cuda::getCurrentCUDAStream();
+  ahead->built.block(current);
+  // Its tensors were allocated on the side stream: until this stream's kernels are done with
+  // them, the allocator must not hand their memory to the side stream again.
+  for (const at::Tensor* t : {&ahead->map.sorted_entry, &ahead->map.seg_off, &ahead->map.chunk_off,
+                              &ahead->map.item_seg, &ahead->map.item_order}) {
+    if (t->defined()) c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), current);
+  }
+  return ahead->map;
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum, const at::Tensor& given_delta) {
+    at::Tensor* dq_sum, const at::Tensor& given_delta, PendingBlockMap* ahead) {
   CheckSelected(q, k, v, block_idx, g);
   if (dq_sum) CheckDqSum(*dq_sum, q);
   const auto dout = dout_in.contiguous();
   const Shape s = MakeShape(q, k);
   const int n = static_cast<int>(block_idx.size(3));
   const Choice choice = ChoiceFor(q, s, n);
-  const int NS = (s.T + g.slc_block - 1) / g.slc_block;
   const float scale = 1.f / std::sqrt(static_cast<float>(s.D));
   const auto delta = DeltaOrRowDot(given_delta, dout, out);
   const bool fused_dq = UseFusedDq(choice, q, s);
@@ -1001,8 +1065,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   auto dk_acc = ZeroFloats(k.sizes(), k.options());
   auto dv_acc = ZeroFloats(v.sizes(), v.options());
 
-  const BlockMap map =
-      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, fused_dq));
+  const BlockMap map = TakeBlockMap(ahead, q, s, block_idx, g);
   const SelectedKeyPolicy kpol = KeyPolicy(map, s, n, g.slc_block);
   const int64_t S = map.segments, max_items = map.max_items;
   const SelectedQueryPolicy qpol{block_idx.data_ptr<int>(), n, g.slc_block};
