@@ -90,6 +90,11 @@ void CrossEntropyRescaleGrad(at::Tensor& grad, const at::Tensor& grad_output, do
 // [.., F]; the backward returns the joint gradient [.., 2F].
 at::Tensor SwiGluForward(const at::Tensor& joint);
 at::Tensor SwiGluBackward(const at::Tensor& dout, const at::Tensor& joint);
+// silu(x) for x whose rows [.., F] have unit stride in F and one row stride (a column slice
+// of a wider tensor), returned contiguous; the backward returns dx contiguous.
+bool SiluRowsTake(const at::Tensor& x);
+at::Tensor SiluRowsForward(const at::Tensor& x);
+at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x);
 
 // Residual add + RMSNorm: s = x + y (x float32, s float32), h = s * rsqrt(mean(s^2) + eps)
 // * weight (weight float32 [C]) in y's dtype; also returns rstd [rows] float32. Channels up

@@ -109,6 +109,18 @@ struct SwiGluFn : torch::autograd::Function<SwiGluFn> {
   }
 };
 
+struct SiluRowsFn : torch::autograd::Function<SiluRowsFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
+    RECORD_FUNCTION("nsa::silu_rows_forward", std::vector<c10::IValue>());
+    ctx->save_for_backward({x});
+    return detail::SiluRowsForward(x);
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::silu_rows_backward", std::vector<c10::IValue>());
+    return {detail::SiluRowsBackward(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
 // Outputs (s, h); saves s and rstd (h is recomputable, not needed by the backward).
 struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& y,
@@ -172,6 +184,11 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const
 }
 
 torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
+
+torch::Tensor SiluRows(const torch::Tensor& x) {
+  TORCH_CHECK(FusedOpsTake(x), "SiluRows takes a bf16, fp16 or fp32 CUDA tensor");
+  return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous());
+}
 
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {
   torch::NoGradGuard no_grad;

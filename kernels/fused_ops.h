@@ -43,6 +43,11 @@ bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch
 // (whose gradient comes back as one contiguous tensor).
 torch::Tensor SwiGlu(const torch::Tensor& joint);
 
+// silu(x) for bf16 / fp16 / fp32 CUDA x (FusedOpsTake) whose rows [.., F] may be a column
+// slice of a wider tensor (one row stride): read where they lie (other layouts are copied
+// first), returned contiguous, differentiable w.r.t. x.
+torch::Tensor SiluRows(const torch::Tensor& x);
+
 // Mean cross-entropy of logits [N, V] (bf16, fp16 or fp32; the maths in float32) against
 // int64 targets [N], over the targets that are not ignore_index: LibTorch's
 // cross_entropy(logits.to(float32), targets) in value, differentiable w.r.t. the logits,

@@ -177,6 +177,32 @@ TEST(FusedOpsKernels, RopeKernelsUseNoLocalMemory) {
   EXPECT_EQ(cuda::detail::RopeKernelsLocalBytes(), 0);
 }
 
+// silu over column slices of a wider tensor, as the gate MLP's hidden layer lies in the
+// attention's joint projection: an aligned slice (16-byte path), one starting 3 elements in
+// (element path), and a transposed view whose rows do not collapse to one stride (copied
+// first). Forward and gradient against silu on float32 and on the input dtype.
+TEST_P(FusedOpsTest, SiluOfRowSlicesMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t F = 3 * c.D, wide = 5 * c.D + 16;
+  const auto joint = torch::randn({c.B, c.T, wide}, Opts()).requires_grad_(true);
+  for (const int64_t offset : {int64_t{8}, int64_t{3}}) {
+    const auto x = joint.narrow(-1, offset, F);
+    Poison();
+    const auto y = cuda::SiluRows(x);
+    ASSERT_TRUE(y.is_contiguous());
+    const auto up = torch::randn(y.sizes(), Opts());
+    const auto dx = torch::autograd::grad({y}, {joint}, {up})[0].narrow(-1, offset, F);
+    const auto x32 = Upcast(x);
+    const auto ref = torch::silu(x32);
+    const std::string at = "offset " + std::to_string(offset);
+    ExpectClose(y, ref, Tolerance(), "silu " + at);
+    ExpectClose(y, torch::silu(x.detach()), GetParam().dtype == torch::kFloat ? 1e-6 : 1e-2, "silu same dtype " + at);
+    ExpectClose(dx, torch::autograd::grad({ref}, {x32}, {up.to(torch::kFloat)})[0], Tolerance(), "dx " + at);
+  }
+  const auto t = torch::randn({c.T, c.B, F}, Opts()).transpose(0, 1);
+  ExpectClose(cuda::SiluRows(t), torch::silu(t.to(torch::kFloat)), Tolerance(), "transposed");
+}
+
 // D = the case's head dim takes the vector kernels (16-bit types; D/8 lanes per row), D - 4
 // (not 8 times a power of two) the one-element-per-lane kernels.
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {

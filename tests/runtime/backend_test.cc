@@ -61,9 +61,9 @@ class BackendTest : public ::testing::Test {
             nsa::LayersExecuted(AttentionBackend::kCuda) - cuda0};
   }
   // Fused calls per layer and step with the CUDA backend: RoPE of q, of the selected+window
-  // keys (one call) and of the compressed keys, the gate mixing, the residual add + the
-  // MLP's norm, the SwiGLU, and the gate statistics the step reads out.
-  static constexpr int64_t kFusedPerLayer = 7;
+  // keys (one call) and of the compressed keys, the gate mixing, the gate MLP's silu, the
+  // residual add + the MLP's norm, the SwiGLU, and the gate statistics the step reads out.
+  static constexpr int64_t kFusedPerLayer = 8;
   // Per step of the 2-layer model: its layers, the previous MLP output's residual add with
   // the second layer's attention norm and with the final norm, and the loss.
   static constexpr int64_t kFusedPerStep = 2 * kFusedPerLayer + 2 + 1;
@@ -90,7 +90,7 @@ TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
-  EXPECT_EQ(fused, 3 * kFusedPerStep) << "RoPE, gate mixing, add + norm, SwiGLU, gate statistics and the loss run fused";
+  EXPECT_EQ(fused, 3 * kFusedPerStep) << "RoPE, gate mixing and silu, add + norm, SwiGLU, gate statistics and the loss run fused";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {

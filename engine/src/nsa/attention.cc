@@ -148,7 +148,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gate_logits = ApplyLinear(GateOutput(), torch::silu(projected[2]));
+  const auto gate_logits = ApplyLinear(GateOutput(), Silu(backend_, projected[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,

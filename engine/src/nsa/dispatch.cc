@@ -189,6 +189,18 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {
   return torch::silu(halves[0]) * halves[1];
 }
 
+torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::FusedOpsTake(x)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::SiluRows(x);
+  }
+#else
+  UseCuda(backend);
+#endif
+  return torch::silu(x);
+}
+
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
                                const torch::Tensor& targets, double expected_grad) {
 #ifdef NSAD_HAVE_CUDA_KERNELS

@@ -76,6 +76,9 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, con
 // The SwiGLU of the model's MLP: joint [.., 2F] = [gate | up] (one GEMM's output) ->
 // silu(gate) * up [.., F].
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
+// silu(x) of the gate MLP's hidden layer, a column slice of the attention's joint input
+// projection: the fused path reads the slice where it lies with 16-byte accesses.
+torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x);
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes
@@ -90,7 +93,7 @@ torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& lo
 // (kernels/gate_stats.cu) instead of eight LibTorch ops.
 torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
                         const torch::Tensor& block_idx);
-// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / CrossEntropyLoss /
+// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / Silu / CrossEntropyLoss /
 // GateStats on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
