@@ -371,6 +371,19 @@ __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_r
   }
 }
 
+// The query positions a CTA of the query-side kernels (forward, importance, one pass, dQ)
+// takes: grid x counts slices of positions_per_cta from the end, so the longest rows start
+// first; y is the KV group, z the batch.
+struct CmpCtaRows {
+  int t0, grp, b, positions, rows;
+  __device__ CmpCtaRows(const Shape& s, int positions_per_cta)
+      : t0(static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta),
+        grp(static_cast<int>(blockIdx.y)),
+        b(static_cast<int>(blockIdx.z)),
+        positions(min(positions_per_cta, s.T - t0)),
+        rows(positions * s.hq()) {}
+};
+
 // Register budgets of the importance pass, measured on H100 at 64k: D=64 four CTAs per SM
 // (128 registers, 52 bytes of spill; 164 and three CTAs without the bound), 1.90 -> 1.82 ms at
 // 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
@@ -393,10 +406,8 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   const uint32_t smem_base = mma::SmemAddr(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int hq = s.hq();
-  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
-  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const int positions = min(positions_per_cta, s.T - t0);
-  const int rows = positions * hq;
+  const CmpCtaRows cta(s, positions_per_cta);
+  const int t0 = cta.t0, grp = cta.grp, b = cta.b, positions = cta.positions, rows = cta.rows;
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
 
   // The lane's rows (m16 tile m, half h) and the compressed keys each sees.
@@ -499,33 +510,33 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
           }
           if constexpr (kQuadMap) {
             QuadMapRows<kNt>(sc[m], xs + (16 * (kM * warp + m) + g) * Cfg::kXld, Cfg::kXld, overlap_d, lane);
-            continue;
-          }
-          float xa[Cfg::kSbTiles][4];
+          } else {
+            float xa[Cfg::kSbTiles][4];
 #pragma unroll
-          for (int n = 0; n < Cfg::kSbTiles; ++n) xa[n][0] = xa[n][1] = xa[n][2] = xa[n][3] = 0.f;
+            for (int n = 0; n < Cfg::kSbTiles; ++n) xa[n][0] = xa[n][1] = xa[n][2] = xa[n][3] = 0.f;
 #pragma unroll
-          for (int kk = 0; kk < kN / 16; ++kk) {
-            uint32_t hi[4], lo[4];
-            SplitHalf2(sc[m][2 * kk][0], sc[m][2 * kk][1], hi[0], lo[0]);
-            SplitHalf2(sc[m][2 * kk][2], sc[m][2 * kk][3], hi[1], lo[1]);
-            SplitHalf2(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1], hi[2], lo[2]);
-            SplitHalf2(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3], hi[3], lo[3]);
+            for (int kk = 0; kk < kN / 16; ++kk) {
+              uint32_t hi[4], lo[4];
+              SplitHalf2(sc[m][2 * kk][0], sc[m][2 * kk][1], hi[0], lo[0]);
+              SplitHalf2(sc[m][2 * kk][2], sc[m][2 * kk][3], hi[1], lo[1]);
+              SplitHalf2(sc[m][2 * kk + 1][0], sc[m][2 * kk + 1][1], hi[2], lo[2]);
+              SplitHalf2(sc[m][2 * kk + 1][2], sc[m][2 * kk + 1][3], hi[3], lo[3]);
+#pragma unroll
+              for (int n = 0; n < Cfg::kSbTiles; ++n) {
+                if (n < sb_tiles) {
+                  const uint2 w = w_frags[(kk * Cfg::kSbTiles + n) * 32 + lane];
+                  mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], w.x, w.y);
+                  mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], w.x, w.y);
+                }
+              }
+            }
+            const int r = 16 * (kM * warp + m) + g;
 #pragma unroll
             for (int n = 0; n < Cfg::kSbTiles; ++n) {
               if (n < sb_tiles) {
-                const uint2 w = w_frags[(kk * Cfg::kSbTiles + n) * 32 + lane];
-                mma::Mma<false>(xa[n], hi[0], hi[1], hi[2], hi[3], w.x, w.y);
-                mma::Mma<false>(xa[n], lo[0], lo[1], lo[2], lo[3], w.x, w.y);
+                *reinterpret_cast<float2*>(xs + r * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][0], xa[n][1]);
+                *reinterpret_cast<float2*>(xs + (r + 8) * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][2], xa[n][3]);
               }
-            }
-          }
-          const int r = 16 * (kM * warp + m) + g;
-#pragma unroll
-          for (int n = 0; n < Cfg::kSbTiles; ++n) {
-            if (n < sb_tiles) {
-              *reinterpret_cast<float2*>(xs + r * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][0], xa[n][1]);
-              *reinterpret_cast<float2*>(xs + (r + 8) * Cfg::kXld + 8 * n + 2 * c) = make_float2(xa[n][2], xa[n][3]);
             }
           }
         }
@@ -611,10 +622,8 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
   float* const xs = smem + Cfg::kKvBytes / 4;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int hq = s.hq();
-  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
-  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const int positions = min(positions_per_cta, s.T - t0);
-  const int rows = positions * hq;
+  const CmpCtaRows cta(s, positions_per_cta);
+  const int t0 = cta.t0, grp = cta.grp, b = cta.b, positions = cta.positions, rows = cta.rows;
 
   const smem_fwd::LaneRows<1> lr(s, b, grp, t0, rows, warp, lane);
   int row_vis[2];
@@ -772,10 +781,8 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, D == 64 ? 2 : 1)
   const uint32_t smem_base = mma::SmemAddr(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
   const int hq = s.hq();
-  const int t0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * positions_per_cta;  // longest first
-  const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const int positions = min(positions_per_cta, s.T - t0);
-  const int rows = positions * hq;
+  const CmpCtaRows cta(s, positions_per_cta);
+  const int t0 = cta.t0, grp = cta.grp, b = cta.b, positions = cta.positions, rows = cta.rows;
   const bool active = 16 * kM * warp < rows;
 
   const smem_fwd::LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
