@@ -21,19 +21,28 @@ namespace {
 
 __device__ __forceinline__ float Sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
-// Grid-stride walk over the kVec-feature chunks of every row of a joint [rows, 2F] tensor:
-// body(row, f, gate, up) with the row's gate and up values at features f .. f + kVec - 1.
+// Grid-stride walk over the kVec-feature chunks of `rows` rows of F features: body(row, f)
+// for features f .. f + kVec - 1.
+template <int kVec, typename Body>
+__device__ __forceinline__ void ForEachRowChunk(int64_t rows, int64_t F, Body body) {
+  const int64_t chunks = F / kVec, items = rows * chunks;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = i / chunks;
+    body(row, (i - row * chunks) * kVec);
+  }
+}
+
+// The same over a joint [rows, 2F] tensor: body(row, f, gate, up) with the row's gate and up
+// values at features f .. f + kVec - 1.
 template <typename scalar_t, int kVec, typename Body>
 __device__ __forceinline__ void ForEachGateUpChunk(const scalar_t* __restrict__ joint, int64_t rows, int64_t F,
                                                    Body body) {
   using Vec = Packed<scalar_t, kVec>;
-  const int64_t chunks = F / kVec, items = rows * chunks;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
+  ForEachRowChunk<kVec>(rows, F, [&](int64_t row, int64_t f) {
     body(row, f, *reinterpret_cast<const Vec*>(joint + row * 2 * F + f),
          *reinterpret_cast<const Vec*>(joint + row * 2 * F + F + f));
-  }
+  });
 }
 
 template <typename scalar_t, int kVec>
@@ -79,10 +88,7 @@ __global__ void __launch_bounds__(kThreads)
     SiluRowsForwardKernel(const scalar_t* __restrict__ x, int64_t x_stride, scalar_t* __restrict__ out,
                           int64_t rows, int64_t F) {
   using Vec = Packed<scalar_t, kVec>;
-  const int64_t chunks = F / kVec, items = rows * chunks;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
+  ForEachRowChunk<kVec>(rows, F, [&](int64_t row, int64_t f) {
     const Vec a = *reinterpret_cast<const Vec*>(x + row * x_stride + f);
     Vec y;
 #pragma unroll
@@ -91,7 +97,7 @@ __global__ void __launch_bounds__(kThreads)
       y.v[k] = static_cast<scalar_t>(v * Sigmoid(v));
     }
     *reinterpret_cast<Vec*>(out + row * F + f) = y;
-  }
+  });
 }
 
 // dx = dout * s (1 + x (1 - s)), s = sigmoid(x), into contiguous rows.
@@ -100,10 +106,7 @@ __global__ void __launch_bounds__(kThreads)
     SiluRowsBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ x, int64_t x_stride,
                            scalar_t* __restrict__ dx, int64_t rows, int64_t F) {
   using Vec = Packed<scalar_t, kVec>;
-  const int64_t chunks = F / kVec, items = rows * chunks;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t row = i / chunks, f = (i - row * chunks) * kVec;
+  ForEachRowChunk<kVec>(rows, F, [&](int64_t row, int64_t f) {
     const Vec a = *reinterpret_cast<const Vec*>(x + row * x_stride + f);
     const Vec d = *reinterpret_cast<const Vec*>(dout + row * F + f);
     Vec y;
@@ -113,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
       y.v[k] = static_cast<scalar_t>(static_cast<float>(d.v[k]) * sg * (1.f + v * (1.f - sg)));
     }
     *reinterpret_cast<Vec*>(dx + row * F + f) = y;
-  }
+  });
 }
 
 // The row stride of x viewed as [rows, F] (unit stride in F, leading dims collapsing to one
