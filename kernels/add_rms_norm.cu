@@ -11,6 +11,7 @@
 // access. The weight gradient is summed per warp in shared memory, then per CTA, then over
 // CTAs by ATen; rows up to kAddRmsNormMaxChannels channels (the shared memory it takes).
 #include <cmath>
+#include <type_traits>
 
 #include "fused_launchers.h"
 #include "launch_util.cuh"
@@ -32,6 +33,18 @@ __device__ __forceinline__ void StoreFloats(T* p, const float (&v)[kVec]) {
 #pragma unroll
   for (int k = 0; k < kVec; ++k) packed.v[k] = static_cast<T>(v[k]);
   *reinterpret_cast<Packed<T, kVec>*>(p) = packed;
+}
+
+// p[offset ..], or zeros for a gradient autograd did not materialise (kRead false; a run-time
+// null check instead cost the backward kernels 2-3% where the gradient is there).
+template <bool kRead, int kVec>
+__device__ __forceinline__ void LoadRowOrZeros(const float* p, int64_t offset, float (&v)[kVec]) {
+  if constexpr (kRead) {
+    LoadFloats<kVec>(p + offset, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = 0.f;
+  }
 }
 
 // x float32, y and h of type scalar_t; s float32; rstd float32 [rows].
@@ -89,9 +102,10 @@ __device__ __forceinline__ void StoreCtaPartial(const float* dw_smem, float* dw_
   }
 }
 
-// With s_hat = s * rstd and u = dh * w: ds = ds_in + rstd * (u - s_hat * mean(u * s_hat));
-// dw = sum over rows of dh * s_hat (per CTA into dw_partial[blockIdx.x]).
-template <typename scalar_t, int kVec>
+// With s_hat = s * rstd and u = dh * w: ds = ds_in + rstd * (u - s_hat * mean(u * s_hat))
+// (kDsIn false: ds_in is not read, zeros); dw = sum over rows of dh * s_hat (per CTA into
+// dw_partial[blockIdx.x]).
+template <typename scalar_t, int kVec, bool kDsIn>
 __global__ void __launch_bounds__(kThreads)
     AddRmsNormBackwardKernel(const float* __restrict__ ds_in, const scalar_t* __restrict__ dh,
                              const float* __restrict__ s, const float* __restrict__ rstd,
@@ -124,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
       LoadFloats<kVec>(dh + base + c, g);
       LoadFloats<kVec>(s + base + c, a);
       LoadFloats<kVec>(w + c, wt);
-      LoadFloats<kVec>(ds_in + base + c, d);
+      LoadRowOrZeros<kDsIn, kVec>(ds_in, base + c, d);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) d[k] += r * (g[k] * wt[k] - a[k] * r * mean_dot);
       StoreFloats<kVec>(ds + base + c, d);
@@ -138,7 +152,7 @@ __global__ void __launch_bounds__(kThreads)
 // kIters): dh, s and ds_in are each read once per row, all of the row's loads issued before
 // the first is used. The kernel above rereads dh and s for its second pass and has two loads
 // in flight per lane: it moved 2.3 TB/s on an H100 (174 us per call at m7c's batch 16).
-template <typename scalar_t, int kVec, int kIters>
+template <typename scalar_t, int kVec, int kIters, bool kDsIn>
 __global__ void __launch_bounds__(kThreads)
     AddRmsNormBackwardRegistersKernel(const float* __restrict__ ds_in, const scalar_t* __restrict__ dh,
                                       const float* __restrict__ s, const float* __restrict__ rstd,
@@ -158,7 +172,7 @@ __global__ void __launch_bounds__(kThreads)
       if (c < C) {
         LoadFloats<kVec>(dh + base + c, g[it]);
         LoadFloats<kVec>(s + base + c, a[it]);
-        LoadFloats<kVec>(ds_in + base + c, d[it]);
+        LoadRowOrZeros<kDsIn, kVec>(ds_in, base + c, d[it]);
       }
     }
     const float r = rstd[row];
@@ -262,9 +276,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
   CheckRows(s, "s", C);
   const auto dh = dh_in.contiguous();
   CheckRows(dh, "dh", C);
-  TORCH_CHECK(ds_in.defined() && ds_in.sizes() == s.sizes(),
-              "add+rms_norm backward needs the gradient of s, shaped like s");
-  const auto ds_prev = ds_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(!ds_in.defined() || ds_in.sizes() == s.sizes(), "add+rms_norm backward: the gradient of s must be "
+              "shaped like s");
+  // Undefined where only h was used (the final norm): the kernels read no zeros for it.
+  const auto ds_prev = ds_in.defined() ? ds_in.to(at::kFloat).contiguous() : at::Tensor();
   const int64_t rows = C == 0 ? 0 : s.numel() / C;
   auto ds = at::empty_like(s);
   auto dy = at::empty_like(dh);
@@ -276,18 +291,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     auto launch = [&](auto kernel) {
       const int ctas = RowCtas(kernel, rows, smem);
       dw_partial = at::empty({ctas, C}, s.options());
-      Launch(kernel, dim3(ctas), smem, ds_prev.data_ptr<float>(), dh.data_ptr<scalar_t>(), s.data_ptr<float>(),
+      Launch(kernel, dim3(ctas), smem, ds_prev.defined() ? ds_prev.data_ptr<float>() : nullptr,
+             dh.data_ptr<scalar_t>(), s.data_ptr<float>(),
              rstd.data_ptr<float>(), w.data_ptr<float>(), ds.data_ptr<float>(), dy.data_ptr<scalar_t>(),
              dw_partial.data_ptr<float>(), rows, static_cast<int>(C));
     };
-    if (RowsTakeVectors(C, {&ds_prev, &dh, &s, &w, &ds, &dy})) {
-      if (C <= 32 * 4 * kBackwardRegisterIters) {
-        launch(AddRmsNormBackwardRegistersKernel<scalar_t, 4, kBackwardRegisterIters>);
+    const auto launch_for = [&](auto ds_in_read) {
+      constexpr bool kDsIn = decltype(ds_in_read)::value;
+      const bool ds_aligned = !kDsIn || AlignedFor(ds_prev, 4);
+      if (ds_aligned && RowsTakeVectors(C, {&dh, &s, &w, &ds, &dy})) {
+        if (C <= 32 * 4 * kBackwardRegisterIters) {
+          launch(AddRmsNormBackwardRegistersKernel<scalar_t, 4, kBackwardRegisterIters, kDsIn>);
+        } else {
+          launch(AddRmsNormBackwardKernel<scalar_t, 4, kDsIn>);
+        }
       } else {
-        launch(AddRmsNormBackwardKernel<scalar_t, 4>);
+        launch(AddRmsNormBackwardKernel<scalar_t, 1, kDsIn>);
       }
+    };
+    if (ds_prev.defined()) {
+      launch_for(std::true_type{});
     } else {
-      launch(AddRmsNormBackwardKernel<scalar_t, 1>);
+      launch_for(std::false_type{});
     }
   });
   // The partials' column sums as a product with ones: at::sum over the 528 rows of [528, 768]

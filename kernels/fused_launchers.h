@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tenso
                                                                  const at::Tensor& y,
                                                                  const at::Tensor& weight,
                                                                  double eps);
-// Gradients from ds_in (w.r.t. s) and dh: returns
+// Gradients from ds_in (w.r.t. s; undefined: zeros, read from nowhere) and dh: returns
 // (dx float32, dy in dh's dtype -- the same values -- and dweight float32 [C]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     const at::Tensor& ds_in, const at::Tensor& dh, const at::Tensor& s, const at::Tensor& rstd,

@@ -128,13 +128,21 @@ struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
     RECORD_FUNCTION("nsa::add_rms_norm_forward", std::vector<c10::IValue>());
     auto [s, h, rstd] = detail::AddRmsNormForward(x, y, weight, eps);
     ctx->save_for_backward({s, rstd, weight});
+    ctx->saved_data["h_dtype"] = static_cast<int64_t>(h.scalar_type());
+    // An unused s (the final norm's) gets no gradient: materialised, it was a 100 MB zero fill
+    // per m7c batch 16 step that the kernel then read.
+    ctx->set_materialize_grads(false);
     return {s, h};
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::add_rms_norm_backward", std::vector<c10::IValue>());
+    if (!grads[0].defined() && !grads[1].defined()) return tensor_list(4);
     const auto saved = ctx->get_saved_variables();
-    // Autograd materialises the gradient of an unused output as zeros, so both are defined.
-    auto [dx, dy, dw] = detail::AddRmsNormBackward(grads[0], grads[1], saved[0], saved[1], saved[2]);
+    const auto dh = grads[1].defined()
+                        ? grads[1]
+                        : at::zeros(saved[0].sizes(), saved[0].options().dtype(static_cast<at::ScalarType>(
+                                                          ctx->saved_data["h_dtype"].toInt())));
+    auto [dx, dy, dw] = detail::AddRmsNormBackward(grads[0], dh, saved[0], saved[1], saved[2]);
     return {dx, dy, dw, torch::Tensor()};
   }
 };

@@ -332,7 +332,7 @@ TEST_P(FusedOpsTest, SwiGluMatchesTheReference) {
 }
 
 // Residual add + RMSNorm against float32 LibTorch (x + y, rms_norm): both outputs carry
-// gradient, so dx/dy sum the residual and the norm paths. C = H*D takes a 4-channel path
+// gradient, so dx/dy sum the residual and the norm paths; then h alone, as the final norm. C = H*D takes a 4-channel path
 // (the backward's row-in-registers kernel up to 1024 channels, 256 to 1024 here; the other at
 // 2048), C = H*D - 3 the one-channel path.
 TEST_P(FusedOpsTest, AddRmsNormMatchesTheReference) {
@@ -365,6 +365,16 @@ TEST_P(FusedOpsTest, AddRmsNormMatchesTheReference) {
     EXPECT_LT(RelErr(grads[2], ref[2]), 1e-4) << what << " dweight";
     std::printf("    %s dx %.2e dweight %.2e\n", what.c_str(), RelErr(grads[0], ref[0]),
                 RelErr(grads[2], ref[2]));
+
+    // Only h carries gradient (the final norm): s's gradient is never materialised.
+    const auto [s_only, h_only] = cuda::AddRmsNorm(x, y, w, 1e-5);
+    Poison();
+    const auto h_grads = torch::autograd::grad({h_only}, {x, y, w}, {wh});
+    const auto h_ref_grads =
+        torch::autograd::grad({torch::rms_norm(x32 + y32, {C}, w32, 1e-5)}, {x32, y32, w32}, {wh.to(torch::kFloat)});
+    EXPECT_LT(RelErr(h_grads[0], h_ref_grads[0]), 1e-4) << what << " dx, h only";
+    ExpectClose(h_grads[1], h_ref_grads[1], Tolerance(), what + " dy, h only");
+    EXPECT_LT(RelErr(h_grads[2], h_ref_grads[2]), 1e-4) << what << " dweight, h only";
   }
 }
 
