@@ -992,7 +992,8 @@ BlockMap SelectedBackwardMap(const at::Tensor& q, const Shape& s, const at::Tens
   const int n = static_cast<int>(block_idx.size(3));
   const Choice choice = ChoiceFor(q, s, n);
   const int NS = (s.T + g.slc_block - 1) / g.slc_block;
-  return InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, UseFusedDq(choice, q, s)));
+  return InvertBlockMap(block_idx, NS, QueriesPerCta(choice),
+                        PositionOrder(choice, s, n, NS, UseFusedDq(choice, q, s)));
 }
 
 }  // namespace
