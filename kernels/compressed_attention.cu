@@ -1287,14 +1287,23 @@ void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the importance maps P onto selection blocks by QuadMapRows: the paper's geometry
+// (l = 2d, l' = 4d; m7c's 32/16/64), unless the W product is forced.
+bool UseQuadMap(const Geo& g) {
+  return QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) &&
+         compressed_map.load() != CompressedKernelChoice::Map::kProduct;
+}
+
 // Whether the shared-memory forward and importance run as one pass (CmpOnePassKernel's
 // conditions; the caller has chosen the shared-memory path for bf16/fp16).
 bool UseOnePass(const Shape& s, const Geo& g) {
-  using Choice = CompressedKernelChoice;
-  return s.D == CmpOnePassCfg::kD && s.Tk <= CmpOnePassCfg::kTiles * CmpOnePassCfg::kN &&
-         QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) && compressed_map.load() != Choice::Map::kProduct &&
-         compressed_pass.load() != Choice::Pass::kTwo;
+  return s.D == CmpOnePassCfg::kD && s.Tk <= CmpOnePassCfg::kTiles * CmpOnePassCfg::kN && UseQuadMap(g) &&
+         compressed_pass.load() != CompressedKernelChoice::Pass::kTwo;
 }
+
+// The one-pass kernel takes the two-pass kernels' query grid (SmemQueryGrid): its rows per CTA
+// must be theirs.
+static_assert(CmpOnePassCfg::kRows == CmpSmemCfg<CmpOnePassCfg::kD>::kRows, "one grid for one and two passes");
 
 template <typename scalar_t>
 void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& v_cmp, at::Tensor& out,
@@ -1320,10 +1329,7 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
     const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
-    // The paper's geometry (l = 2d, l' = 4d; m7c's 32/16/64) maps P without the W product.
-    const bool quad = QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) &&
-                      compressed_map.load() != CompressedKernelChoice::Map::kProduct;
-    const auto imp = quad ? CmpSmemKernel<scalar_t, D, true, true> : CmpSmemKernel<scalar_t, D, true, false>;
+    const auto imp = UseQuadMap(g) ? CmpSmemKernel<scalar_t, D, true, true> : CmpSmemKernel<scalar_t, D, true, false>;
     AllowSmem(imp, Cfg::ImpSmem());
     imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
