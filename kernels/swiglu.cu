@@ -130,27 +130,19 @@ int64_t CollapsedRowStride(const at::Tensor& x) {
   return x.stride(-2);
 }
 
-// Whether rows of F elements, x_stride apart, at these pointers take 16-byte accesses.
-template <typename scalar_t>
-bool RowsTakeWide(int64_t F, int64_t x_stride, std::initializer_list<const scalar_t*> ptrs) {
-  constexpr int kWide = 16 / sizeof(scalar_t);
-  bool wide = F % kWide == 0 && x_stride % kWide == 0;
-  for (const auto* p : ptrs) wide = wide && AlignedFor(p, kWide);
-  return wide;
-}
-
 void CheckJoint(const at::Tensor& joint) {
   TORCH_CHECK(joint.is_cuda() && joint.is_contiguous() && joint.dim() >= 1 &&
                   joint.size(-1) % 2 == 0,
               "SwiGLU takes a contiguous CUDA tensor [.., 2F], got ", joint.sizes());
 }
 
-// Launches kernel<kVec = 16 bytes> when F and the pointers allow it, else kernel<1>.
+// Launches kernel<kVec = 16 bytes> when F, the rows' stride (elements; the joint's 2F and the
+// outputs' F follow from F) and the pointers allow it, else kernel<1>.
 template <typename scalar_t, typename Wide, typename Narrow, typename... Args>
-void LaunchRows(Wide wide, Narrow narrow, int64_t rows, int64_t F,
+void LaunchRows(Wide wide, Narrow narrow, int64_t rows, int64_t F, int64_t row_stride,
                 std::initializer_list<const void*> ptrs, Args... args) {
   constexpr int kWide = 16 / sizeof(scalar_t);
-  bool aligned = F % kWide == 0;
+  bool aligned = F % kWide == 0 && row_stride % kWide == 0;
   for (const void* p : ptrs) aligned = aligned && AlignedFor(static_cast<const scalar_t*>(p), kWide);
   if (aligned) {
     Launch(wide, GridStride(rows * (F / kWide)), 0, args..., rows, F);
@@ -171,7 +163,7 @@ at::Tensor SwiGluForward(const at::Tensor& joint) {
   NSA_DISPATCH_TYPES(joint.scalar_type(), "nsa_swiglu_forward", [&] {
     constexpr int kWide = 16 / sizeof(scalar_t);
     LaunchRows<scalar_t>(SwiGluForwardKernel<scalar_t, kWide>, SwiGluForwardKernel<scalar_t, 1>, rows,
-                         F, {joint.data_ptr(), out.data_ptr()}, joint.data_ptr<scalar_t>(),
+                         F, F, {joint.data_ptr(), out.data_ptr()}, joint.data_ptr<scalar_t>(),
                          out.data_ptr<scalar_t>());
   });
   return out;
@@ -187,7 +179,7 @@ at::Tensor SwiGluBackward(const at::Tensor& dout_in, const at::Tensor& joint) {
   NSA_DISPATCH_TYPES(joint.scalar_type(), "nsa_swiglu_backward", [&] {
     constexpr int kWide = 16 / sizeof(scalar_t);
     LaunchRows<scalar_t>(SwiGluBackwardKernel<scalar_t, kWide>, SwiGluBackwardKernel<scalar_t, 1>,
-                         rows, F, {dout.data_ptr(), joint.data_ptr(), djoint.data_ptr()},
+                         rows, F, F, {dout.data_ptr(), joint.data_ptr(), djoint.data_ptr()},
                          dout.data_ptr<scalar_t>(), joint.data_ptr<scalar_t>(),
                          djoint.data_ptr<scalar_t>());
   });
@@ -203,13 +195,9 @@ at::Tensor SiluRowsForward(const at::Tensor& x) {
   auto out = at::empty(x.sizes(), x.options());
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_silu_rows_forward", [&] {
     constexpr int kWide = 16 / sizeof(scalar_t);
-    const auto* xp = x.data_ptr<scalar_t>();
-    auto* op = out.data_ptr<scalar_t>();
-    if (RowsTakeWide<scalar_t>(F, x_stride, {xp, op})) {
-      Launch(SiluRowsForwardKernel<scalar_t, kWide>, GridStride(rows * (F / kWide)), 0, xp, x_stride, op, rows, F);
-    } else {
-      Launch(SiluRowsForwardKernel<scalar_t, 1>, GridStride(rows * F), 0, xp, x_stride, op, rows, F);
-    }
+    LaunchRows<scalar_t>(SiluRowsForwardKernel<scalar_t, kWide>, SiluRowsForwardKernel<scalar_t, 1>, rows, F,
+                         x_stride, {x.data_ptr(), out.data_ptr()}, x.data_ptr<scalar_t>(), x_stride,
+                         out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -222,15 +210,9 @@ at::Tensor SiluRowsBackward(const at::Tensor& dout_in, const at::Tensor& x) {
   auto dx = at::empty(x.sizes(), x.options());
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_silu_rows_backward", [&] {
     constexpr int kWide = 16 / sizeof(scalar_t);
-    const auto* dp = dout.data_ptr<scalar_t>();
-    const auto* xp = x.data_ptr<scalar_t>();
-    auto* op = dx.data_ptr<scalar_t>();
-    if (RowsTakeWide<scalar_t>(F, x_stride, {dp, xp, op})) {
-      Launch(SiluRowsBackwardKernel<scalar_t, kWide>, GridStride(rows * (F / kWide)), 0, dp, xp, x_stride, op,
-             rows, F);
-    } else {
-      Launch(SiluRowsBackwardKernel<scalar_t, 1>, GridStride(rows * F), 0, dp, xp, x_stride, op, rows, F);
-    }
+    LaunchRows<scalar_t>(SiluRowsBackwardKernel<scalar_t, kWide>, SiluRowsBackwardKernel<scalar_t, 1>, rows, F,
+                         x_stride, {dout.data_ptr(), x.data_ptr(), dx.data_ptr()}, dout.data_ptr<scalar_t>(),
+                         x.data_ptr<scalar_t>(), x_stride, dx.data_ptr<scalar_t>());
   });
   return dx;
 }
