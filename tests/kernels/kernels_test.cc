@@ -405,7 +405,7 @@ TEST_P(KernelsTest, CompressedImportanceQuadMapEqualsTheProduct) {
 
 void KernelsTest::CheckCompressedAttention() {
   const Case c = GetParam();
-  const int64_t N = NumCmpBlocks(c.T, geo_), NS = NumSlcBlocks(c.T, geo_);
+  const int64_t N = NumCmpBlocks(c.T, geo_);
   auto q = Random({kBatch, c.T, c.H, c.D});
   auto kc = Random({kBatch, N, c.G, c.D});
   auto vc = Random({kBatch, N, c.G, c.D});
@@ -425,14 +425,7 @@ void KernelsTest::CheckCompressedAttention() {
   ExpectClose(vc.grad(), v32.grad(), "dv_cmp");
 
   // Importance as the contract defines it, from the reference probabilities.
-  const auto dbl = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA);
-  const auto cmp_start = (torch::arange(N, dbl) * geo_.cmp_stride).unsqueeze(1);
-  const auto slc_start = (torch::arange(NS, dbl) * geo_.slc_block).unsqueeze(0);
-  const auto overlap = (torch::minimum(cmp_start + geo_.cmp_block, slc_start + geo_.slc_block) -
-                        torch::maximum(cmp_start, slc_start))
-                           .clamp_min(0.0);
-  const auto want = torch::matmul(
-      ref.probs.to(torch::kDouble).view({kBatch, c.T, c.G, c.H / c.G, N}).sum(3), overlap);
+  const auto want = ImportanceReference(ref.probs, c.G, geo_);
   ASSERT_EQ(res.importance.scalar_type(), torch::kFloat);
   ExpectClose(res.importance, want, "importance");
 }
@@ -587,7 +580,7 @@ TEST(CompressedOnePass, MatchesTheReferenceAndTheTwoPassKernels) {
                      (dtype == torch::kHalf ? " fp16" : " bf16"));
         torch::manual_seed(T * 7 + H);
         const auto opts = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
-        const int64_t N = NumCmpBlocks(T, geo), NS = NumSlcBlocks(T, geo);
+        const int64_t N = NumCmpBlocks(T, geo);
         ASSERT_LE(N, 128);
         auto q = torch::randn({B, T, H, D}, opts).requires_grad_(true);
         auto k = torch::randn({B, N, G, D}, opts).requires_grad_(true);
@@ -615,14 +608,7 @@ TEST(CompressedOnePass, MatchesTheReferenceAndTheTwoPassKernels) {
           EXPECT_LT(rel(k.grad(), k32.grad()), 2e-2);
           EXPECT_LT(rel(v.grad(), v32.grad()), 2e-2);
         }
-        const auto dbl = torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA);
-        const auto cmp_start = (torch::arange(N, dbl) * geo.cmp_stride).unsqueeze(1);
-        const auto slc_start = (torch::arange(NS, dbl) * geo.slc_block).unsqueeze(0);
-        const auto overlap = (torch::minimum(cmp_start + geo.cmp_block, slc_start + geo.slc_block) -
-                              torch::maximum(cmp_start, slc_start))
-                                 .clamp_min(0.0);
-        const auto want = torch::matmul(ref.probs.to(torch::kDouble).view({B, T, G, H / G, N}).sum(3), overlap);
-        EXPECT_LT(rel(one.importance, want), 2e-2);
+        EXPECT_LT(rel(one.importance, ImportanceReference(ref.probs, G, geo)), 2e-2);
 
         // The two kernels compute the same probabilities in float32, in another order.
         EXPECT_LT(rel(one.importance, two.importance), 1e-5);

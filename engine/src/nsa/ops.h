@@ -52,6 +52,10 @@ struct CmpAttentionResult {
 CmpAttentionResult CompressedAttentionReference(const torch::Tensor& q, const torch::Tensor& k_cmp,
                                                 const torch::Tensor& v_cmp, const Geometry& g);
 
+// probs [B,T,H,N] -> the importance of each selection block [B,T,G,NS] in float64: each
+// group's heads summed, mapped onto selection blocks by token overlap (the header's rule).
+torch::Tensor ImportanceReference(const torch::Tensor& probs, int64_t num_groups, const Geometry& g);
+
 // probs [B,T,H,N] -> block indices [B,T,G,n] int32 (GQA group shares one selection).
 torch::Tensor SelectBlocksReference(const torch::Tensor& probs, int64_t num_groups,
                                     int64_t seq_len, const Geometry& g);

@@ -74,17 +74,13 @@ CmpAttentionResult CompressedAttentionReference(const torch::Tensor& q, const to
   return {out, probs.detach().to(torch::kFloat)};
 }
 
-torch::Tensor SelectBlocksReference(const torch::Tensor& probs, int64_t num_groups,
-                                    int64_t seq_len, const Geometry& g) {
+torch::Tensor ImportanceReference(const torch::Tensor& probs, int64_t num_groups, const Geometry& g) {
   CheckActivation(probs, "probs", 4);
   const int64_t B = probs.size(0), T = probs.size(1), H = probs.size(2), N = probs.size(3);
-  const int64_t G = num_groups, n = g.top_n, lp = g.slc_block;
-  TORCH_CHECK(T == seq_len, "probs has ", T, " positions, seq_len is ", seq_len);
+  const int64_t G = num_groups, lp = g.slc_block;
   TORCH_CHECK(H % G == 0, "heads (", H, ") must be a multiple of groups (", G, ")");
   TORCH_CHECK(N == NumCmpBlocks(T, g), "probs has ", N, " compressed blocks, expected ",
               NumCmpBlocks(T, g));
-  // Block 0, the current block and the one before it are always chosen, so n must hold them.
-  TORCH_CHECK(n >= 3, "top_n must be at least 3 (first block + two local blocks), got ", n);
   const int64_t NS = NumSlcBlocks(T, g);
   const auto dev = probs.device();
   // Double precision: importance is a sum of many small products, and ranking must not
@@ -100,7 +96,20 @@ torch::Tensor SelectBlocksReference(const torch::Tensor& probs, int64_t num_grou
                            .clamp_min(0.0);                                    // [N,NS]
 
   const auto group_probs = probs.detach().to(dbl).view({B, T, G, H / G, N}).sum(3);  // [B,T,G,N]
-  auto importance = torch::matmul(group_probs, overlap);                      // [B,T,G,NS]
+  return torch::matmul(group_probs, overlap);                                 // [B,T,G,NS]
+}
+
+torch::Tensor SelectBlocksReference(const torch::Tensor& probs, int64_t num_groups,
+                                    int64_t seq_len, const Geometry& g) {
+  CheckActivation(probs, "probs", 4);
+  const int64_t B = probs.size(0), T = probs.size(1);
+  const int64_t G = num_groups, n = g.top_n, lp = g.slc_block;
+  TORCH_CHECK(T == seq_len, "probs has ", T, " positions, seq_len is ", seq_len);
+  // Block 0, the current block and the one before it are always chosen, so n must hold them.
+  TORCH_CHECK(n >= 3, "top_n must be at least 3 (first block + two local blocks), got ", n);
+  const int64_t NS = NumSlcBlocks(T, g);
+  const auto dev = probs.device();
+  auto importance = ImportanceReference(probs, num_groups, g);  // [B,T,G,NS]
 
   const auto t = Positions(T, dev).view({1, T, 1, 1});
   const auto b = Positions(NS, dev).view({1, 1, 1, NS});
