@@ -406,26 +406,19 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
-    } else if (flag == "--cmp-key-side") {
+    } else if (flag == "--cmp-key-side" || flag == "--cmp-pass") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      auto choice = nsad::nsa::cuda::detail::GetCompressedKernelChoice();
-      if (!nsad::bench::ParseChoiceFlag("--cmp-key-side", nsad::bench::kCmpKeySideNames, value, choice.key_side)) {
-        return 2;
-      }
+      auto choice = nsad::nsa::cuda::detail::GetCompressedKernelChoice();  // keeps the other flag's part
+      const bool key_side = flag == "--cmp-key-side";
+      using nsad::bench::ParseChoiceFlag;
+      const bool ok = key_side
+                          ? ParseChoiceFlag("--cmp-key-side", nsad::bench::kCmpKeySideNames, value, choice.key_side)
+                          : ParseChoiceFlag("--cmp-pass", nsad::bench::kCmpPassNames, value, choice.pass);
+      if (!ok) return 2;
       nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(choice);
-      std::printf("# compressed backward's key side: %s\n", value.c_str());
+      std::printf("# compressed %s: %s\n", key_side ? "backward's key side" : "forward's passes", value.c_str());
 #else
-      std::fprintf(stderr, "--cmp-key-side needs the CUDA kernels (this build has none)\n");
-      return 2;
-#endif
-    } else if (flag == "--cmp-pass") {
-#ifdef NSAD_HAVE_CUDA_KERNELS
-      auto choice = nsad::nsa::cuda::detail::GetCompressedKernelChoice();
-      if (!nsad::bench::ParseChoiceFlag("--cmp-pass", nsad::bench::kCmpPassNames, value, choice.pass)) return 2;
-      nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(choice);
-      std::printf("# compressed forward's passes: %s\n", value.c_str());
-#else
-      std::fprintf(stderr, "--cmp-pass needs the CUDA kernels (this build has none)\n");
+      std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
     } else if (flag == "--tiled-mma") {
