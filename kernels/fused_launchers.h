@@ -25,10 +25,13 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, uint32_t rotate_mask);
 // The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
 // forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype, or in dx_type from float32
-// gradients (a float32 sum rounded once, on the way).
+// gradients (a float32 sum rounded once, on the way). Given dx_out ([B,T,P,M,D] of that
+// dtype, any strides with unit stride in D: a slice of a SharedGradient), written there and
+// returned.
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
                         const at::Tensor& sin, uint32_t rotate_mask,
-                        std::optional<at::ScalarType> dx_type = std::nullopt);
+                        std::optional<at::ScalarType> dx_type = std::nullopt,
+                        const at::Tensor& dx_out = {});
 // The most local memory (bytes per thread) any RoPE kernel instance uses: none is expected.
 // Where one spills or indexes an array at run time, its threads go through local memory for
 // every row (see PartPointer in rope.cu).
@@ -91,10 +94,11 @@ void CrossEntropyRescaleGrad(at::Tensor& grad, const at::Tensor& grad_output, do
 at::Tensor SwiGluForward(const at::Tensor& joint);
 at::Tensor SwiGluBackward(const at::Tensor& dout, const at::Tensor& joint);
 // silu(x) for x whose rows [.., F] have unit stride in F and one row stride (a column slice
-// of a wider tensor), returned contiguous; the backward returns dx contiguous.
+// of a wider tensor), returned contiguous; the backward returns dx contiguous, or writes it
+// into dx_out (x's shape and dtype, rows of one stride: a slice of a SharedGradient).
 bool SiluRowsTake(const at::Tensor& x);
 at::Tensor SiluRowsForward(const at::Tensor& x);
-at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x);
+at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x, const at::Tensor& dx_out = {});
 
 // Residual add + RMSNorm: s = x + y (x float32, s float32), h = s * rsqrt(mean(s^2) + eps)
 // * weight (weight float32 [C]) in y's dtype; also returns rstd [rows] float32. Channels up

@@ -15,10 +15,12 @@ using torch::autograd::tensor_list;
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x,
                              const torch::Tensor& cos, const torch::Tensor& sin,
-                             int64_t rotate_mask) {
+                             int64_t rotate_mask, const GradientPart& dx) {
     RECORD_FUNCTION("nsa::rope_forward", std::vector<c10::IValue>());
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["rotate_mask"] = rotate_mask;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["dx"] = dx.ToSaved();
     return detail::RopeForward(x, cos, sin, static_cast<uint32_t>(rotate_mask));
   }
   // Parts whose output the loss does not use get zero gradients (autograd materialises
@@ -27,8 +29,9 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
     RECORD_FUNCTION("nsa::rope_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     const auto mask = static_cast<uint32_t>(ctx->saved_data["rotate_mask"].toInt());
-    return {detail::RopeBackward(grads, s[0], s[1], mask), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(ctx->saved_data["x_sizes"].toIntVector());
+    return {detail::RopeBackward(grads, s[0], s[1], mask, std::nullopt, dx), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -110,14 +113,17 @@ struct SwiGluFn : torch::autograd::Function<SwiGluFn> {
 };
 
 struct SiluRowsFn : torch::autograd::Function<SiluRowsFn> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const GradientPart& dx) {
     RECORD_FUNCTION("nsa::silu_rows_forward", std::vector<c10::IValue>());
     ctx->save_for_backward({x});
+    ctx->saved_data["dx"] = dx.ToSaved();
     return detail::SiluRowsForward(x);
   }
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::silu_rows_backward", std::vector<c10::IValue>());
-    return {detail::SiluRowsBackward(grads[0], ctx->get_saved_variables()[0])};
+    const auto x = ctx->get_saved_variables()[0];
+    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(x.sizes());
+    return {detail::SiluRowsBackward(grads[0], x, dx), torch::Tensor()};
   }
 };
 
@@ -157,7 +163,7 @@ bool FusedOpsTake(const torch::Tensor& t) {
 
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
                                           const torch::Tensor& sin,
-                                          const std::vector<bool>& rotate) {
+                                          const std::vector<bool>& rotate, const GradientPart& dx) {
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "rotate must name each of the ",
               x.size(2), " parts, got ", rotate.size());
@@ -165,7 +171,7 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
   for (size_t p = 0; p < rotate.size(); ++p) mask |= rotate[p] ? int64_t{1} << p : 0;
   // The kernel reads any row layout but needs the pairs of a row in unit stride.
   const auto input = x.stride(4) == 1 ? x : x.contiguous();
-  return RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask);
+  return RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask, dx);
 }
 
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
@@ -193,9 +199,9 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const
 
 torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
 
-torch::Tensor SiluRows(const torch::Tensor& x) {
+torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx) {
   TORCH_CHECK(FusedOpsTake(x), "SiluRows takes a bf16, fp16 or fp32 CUDA tensor");
-  return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous());
+  return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous(), dx);
 }
 
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {

@@ -11,6 +11,8 @@
 
 #include <vector>
 
+#include "nsa/shared_gradient.h"
+
 namespace nsad::nsa::cuda {
 
 // True when the fused ops take tensors of this device and dtype (CUDA; bf16, fp16, fp32).
@@ -20,10 +22,11 @@ bool FusedOpsTake(const torch::Tensor& t);
 // x[:,:,p], each a contiguous [B,T,M,D]; part p rotated by RoPE at the angles of position t
 // (cos, sin [T, D/2] float32, a RopeTable) when rotate[p], else copied. Differentiable
 // w.r.t. x, whose gradient comes back as one contiguous tensor. A rotated part equals
-// ApplyRope(x[:,:,p], table) up to the rounding of the result to x's dtype.
+// ApplyRope(x[:,:,p], table) up to the rounding of the result to x's dtype. Given dx (x's
+// part of a SharedGradient), the gradient is written there instead.
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
                                           const torch::Tensor& sin,
-                                          const std::vector<bool>& rotate);
+                                          const std::vector<bool>& rotate, const GradientPart& dx = {});
 
 // gates [B,T,H,3]; o_cmp, o_slc, o_win [B,T,H,D], one dtype ->
 // gates[...,0] * o_cmp + gates[...,1] * o_slc + gates[...,2] * o_win, differentiable w.r.t.
@@ -45,8 +48,9 @@ torch::Tensor SwiGlu(const torch::Tensor& joint);
 
 // silu(x) for bf16 / fp16 / fp32 CUDA x (FusedOpsTake) whose rows [.., F] may be a column
 // slice of a wider tensor (one row stride): read where they lie (other layouts are copied
-// first), returned contiguous, differentiable w.r.t. x.
-torch::Tensor SiluRows(const torch::Tensor& x);
+// first), returned contiguous, differentiable w.r.t. x; its gradient goes into dx when given
+// (x's part of a SharedGradient).
+torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx = {});
 
 // Mean cross-entropy of logits [N, V] (bf16, fp16 or fp32; the maths in float32) against
 // int64 targets [N], over the targets that are not ignore_index: LibTorch's

@@ -304,7 +304,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
                              const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                              const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
                              const torch::Tensor& rope_cos, const torch::Tensor& rope_sin, const Geometry& g,
-                             bool dense_cmp, bool tiled_forward, bool wgmma_backward) {
+                             bool dense_cmp, bool tiled_forward, bool wgmma_backward, const GradientPart& dq) {
     RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
     const auto q = detail::RopeForward(q_unrotated.unsqueeze(2), rope_cos, rope_sin, 1u)[0];
@@ -320,6 +320,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     SaveGeometry(ctx, g);
     ctx->saved_data["dense_cmp"] = dense_cmp;
     ctx->saved_data["wgmma_backward"] = wgmma_backward;
+    ctx->saved_data["dq"] = dq.ToSaved();
     ctx->mark_non_differentiable({block_idx});
     ctx->set_materialize_grads(false);
     return {mixed, block_idx};
@@ -327,7 +328,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::branches_mixed_backward", std::vector<c10::IValue>());
     const torch::Tensor none;
-    if (!grads[0].defined()) return tensor_list(14);
+    if (!grads[0].defined()) return tensor_list(15);
     const auto s = ctx->get_saved_variables();
     const auto& q = s[0];
     const Geometry g = LoadGeometry(ctx);
@@ -362,8 +363,9 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
         WindowGradients(branch_dout(d_win), q, s[14], s[15], {s[16], branch_lse(2, s[17]), s[18], s[19]},
                         g.window, wgmma_backward, &dq_sum, deltas[2]);
     // The float32 sum goes through RoPE's backward and is rounded there: one pass.
-    auto dq = detail::RopeBackward({dq_sum}, s[21], s[22], 1u, q.scalar_type()).view(q.sizes());
-    return {dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none, none, none, none, none, none};
+    const auto dq_out = GradientPart::FromSaved(ctx->saved_data["dq"]).Take(q.unsqueeze(2).sizes());
+    auto dq = detail::RopeBackward({dq_sum}, s[21], s[22], 1u, q.scalar_type(), dq_out).view(q.sizes());
+    return {dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none, none, none, none, none, none, none};
   }
 };
 
@@ -416,7 +418,7 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
-                                                      const Geometry& g) {
+                                                      const Geometry& g, const GradientPart& dq) {
   TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
               "BranchesMixed takes bf16/fp16, got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "BranchesMixed: q must be [B,T,H,D] with unit stride in D");
@@ -428,7 +430,7 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
   const auto outs = BranchesMixedFn::apply(q, k_cmp.contiguous(), v_cmp.contiguous(), k_slc.contiguous(),
                                            v_slc.contiguous(), k_win.contiguous(), v_win.contiguous(),
                                            gates.contiguous(), rope_cos, rope_sin, g, DenseCompressed(q, k_cmp, g),
-                                           paths.tiled_forward, paths.wgmma_backward);
+                                           paths.tiled_forward, paths.wgmma_backward, dq);
   return {outs[0], outs[1]};
 }
 

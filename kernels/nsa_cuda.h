@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "nsa/ops.h"
+#include "nsa/shared_gradient.h"
 
 namespace nsad::nsa::cuda {
 
@@ -50,12 +51,12 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
 // branch whose backward runs on our kernels gets its gate folded into its softmax (GateFold,
 // fused_launchers.h) and the mix's gradient itself; only cuDNN / FlashAttention-2 branches get
 // a written g * dO. The three branches' dq are summed in float32, the compressed one starting
-// the sum, and rounded once.
+// the sum, and rounded once, into dq when given (q's part of a SharedGradient).
 std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& rope_cos,
                                                       const torch::Tensor& rope_sin, const torch::Tensor& k_cmp,
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
-                                                      const Geometry& g);
+                                                      const Geometry& g, const GradientPart& dq = {});
 
 }  // namespace nsad::nsa::cuda

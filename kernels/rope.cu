@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The parts' gradients (grad_t: dx's type, or float32) -> dx [B,T,P,M,D] contiguous.
+// The parts' gradients (grad_t: dx's type, or float32) -> dx [B,T,P,M,D] at g's strides.
 template <typename grad_t, typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     RopeBackwardKernel(PartPtrs<const grad_t> grads, scalar_t* __restrict__ dx,
@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(kThreads)
     const RowChunk r = SplitChunk<kVec>(i, g);
     const grad_t* gp =
         PartPointer(grads, r.p) + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    RotateOrCopyChunk<grad_t, scalar_t, kVec>(gp, dx + static_cast<int64_t>(r.row) * (2 * g.half), cos,
-                                              sin, r, g, -1.f);
+    scalar_t* out = dx + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
+    RotateOrCopyChunk<grad_t, scalar_t, kVec>(gp, out, cos, sin, r, g, -1.f);
   }
 }
 
@@ -221,7 +221,8 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
 }
 
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tensor& cos,
-                        const at::Tensor& sin, uint32_t rotate_mask, std::optional<at::ScalarType> dx_type) {
+                        const at::Tensor& sin, uint32_t rotate_mask, std::optional<at::ScalarType> dx_type,
+                        const at::Tensor& dx_out) {
   const int64_t P = static_cast<int64_t>(grads_in.size());
   TORCH_CHECK(P >= 1 && P <= kMaxRopeParts, "RoPE takes 1..", kMaxRopeParts, " parts, got ", P);
   std::vector<at::Tensor> grads;
@@ -239,11 +240,16 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
   const bool float_grads = grads[0].scalar_type() == at::kFloat && out_type != at::kFloat;
   TORCH_CHECK(out_type == grads[0].scalar_type() || float_grads,
               "rope backward: gradients of ", grads[0].scalar_type(), " cannot give dx of ", out_type);
-  auto dx = at::empty({B, T, P, M, D}, grads[0].options().dtype(out_type));
+  auto dx = dx_out.defined() ? dx_out : at::empty({B, T, P, M, D}, grads[0].options().dtype(out_type));
+  TORCH_CHECK(dx.is_cuda() && dx.device() == grads[0].device() && dx.scalar_type() == out_type &&
+                  dx.sizes() == at::IntArrayRef({B, T, P, M, D}) && dx.stride(4) == 1,
+              "rope backward: dx_out must be a ", out_type, " CUDA tensor [", B, ",", T, ",", P, ",", M, ",", D,
+              "] with unit stride in D, got ", dx.scalar_type(), " ", dx.sizes(), " strides ", dx.strides());
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return dx;
   TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
-  const RopeGeometry g{0, 0, 0, 0, static_cast<int>(T), static_cast<int>(P),
+  const RopeGeometry g{dx.stride(0),        dx.stride(1),        dx.stride(2),
+                       dx.stride(3),        static_cast<int>(T), static_cast<int>(P),
                        static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
     const auto launch = [&](auto grad_type) {

@@ -13,6 +13,8 @@
 // hidden layer is a column slice of the attention's joint input projection, and LibTorch's
 // silu and silu_backward on that view take their element-by-element path (19.6 and 22.4 us
 // per layer at m7c batch 16 on an H100, 1.3 TB/s).
+#include <numeric>
+
 #include "fused_launchers.h"
 #include "launch_util.cuh"
 
@@ -100,11 +102,11 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// dx = dout * s (1 + x (1 - s)), s = sigmoid(x), into contiguous rows.
+// dx = dout * s (1 + x (1 - s)), s = sigmoid(x), into rows dx_stride apart.
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     SiluRowsBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ x, int64_t x_stride,
-                           scalar_t* __restrict__ dx, int64_t rows, int64_t F) {
+                           scalar_t* __restrict__ dx, int64_t dx_stride, int64_t rows, int64_t F) {
   using Vec = Packed<scalar_t, kVec>;
   ForEachRowChunk<kVec>(rows, F, [&](int64_t row, int64_t f) {
     const Vec a = *reinterpret_cast<const Vec*>(x + row * x_stride + f);
@@ -115,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
       const float v = static_cast<float>(a.v[k]), sg = Sigmoid(v);
       y.v[k] = static_cast<scalar_t>(static_cast<float>(d.v[k]) * sg * (1.f + v * (1.f - sg)));
     }
-    *reinterpret_cast<Vec*>(dx + row * F + f) = y;
+    *reinterpret_cast<Vec*>(dx + row * dx_stride + f) = y;
   });
 }
 
@@ -202,17 +204,25 @@ at::Tensor SiluRowsForward(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor SiluRowsBackward(const at::Tensor& dout_in, const at::Tensor& x) {
+at::Tensor SiluRowsBackward(const at::Tensor& dout_in, const at::Tensor& x, const at::Tensor& dx_out) {
   TORCH_CHECK(SiluRowsTake(x), "SiluRowsBackward takes x as SiluRowsForward does");
   TORCH_CHECK(dout_in.sizes() == x.sizes(), "silu gradient must have x's shape");
   const int64_t F = x.size(-1), rows = x.numel() / F, x_stride = CollapsedRowStride(x);
   const auto dout = dout_in.to(x.scalar_type()).contiguous();
-  auto dx = at::empty(x.sizes(), x.options());
+  auto dx = dx_out.defined() ? dx_out : at::empty(x.sizes(), x.options());
+  const int64_t dx_stride = CollapsedRowStride(dx);
+  TORCH_CHECK(dx.sizes() == x.sizes() && dx.scalar_type() == x.scalar_type() && dx.device() == x.device() &&
+                  dx_stride >= 0,
+              "silu backward: dx_out must be x's shape and dtype on its device, rows of one stride; got ",
+              dx.scalar_type(), " ", dx.sizes(), " strides ", dx.strides());
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_silu_rows_backward", [&] {
     constexpr int kWide = 16 / sizeof(scalar_t);
+    // The wide kernel needs both row strides aligned: LaunchRows checks one, the other is
+    // folded into it (their gcd).
     LaunchRows<scalar_t>(SiluRowsBackwardKernel<scalar_t, kWide>, SiluRowsBackwardKernel<scalar_t, 1>, rows, F,
-                         x_stride, {dout.data_ptr(), x.data_ptr(), dx.data_ptr()}, dout.data_ptr<scalar_t>(),
-                         x.data_ptr<scalar_t>(), x_stride, dx.data_ptr<scalar_t>());
+                         std::gcd(x_stride, dx_stride), {dout.data_ptr(), x.data_ptr(), dx.data_ptr()},
+                         dout.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x_stride, dx.data_ptr<scalar_t>(),
+                         dx_stride);
   });
   return dx;
 }

@@ -203,6 +203,46 @@ TEST_P(FusedOpsTest, SiluOfRowSlicesMatchesTheReference) {
   ExpectClose(cuda::SiluRows(t), torch::silu(t.to(torch::kFloat)), Tolerance(), "transposed");
 }
 
+// The attention's three readers of its joint input projection [q | kv | gate hidden] write
+// their gradients into one SharedGradient (nsa/shared_gradient.h): each lands in its own
+// column slice of one buffer, the slices adjacent, with exactly the values the ops return
+// without it.
+TEST_P(FusedOpsTest, GradientsGoIntoTheirSliceOfASharedGradient) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4), F = 3 * c.D;
+  const int64_t widths[] = {c.H * c.D, 6 * G * c.D, F};
+  const auto joint = torch::randn({c.B, c.T, widths[0] + widths[1] + widths[2]}, Opts()).requires_grad_(true);
+  const std::vector<torch::Tensor> slices = {joint.narrow(-1, 0, widths[0]), joint.narrow(-1, widths[0], widths[1]),
+                                             joint.narrow(-1, widths[0] + widths[1], widths[2])};
+  const auto table = Table(c.T);
+  const std::vector<bool> kv_rotate = {false, false, true, false, true, false};
+  // The three ops' outputs, with or without the shared gradient's parts.
+  const auto run = [&](const std::vector<GradientPart>& parts) {
+    auto outs = cuda::ApplyRopeParts(slices[0].view({c.B, c.T, 1, c.H, c.D}), table.cos, table.sin, {true}, parts[0]);
+    const auto kv = cuda::ApplyRopeParts(slices[1].view({c.B, c.T, 6, G, c.D}), table.cos, table.sin, kv_rotate,
+                                         parts[1]);
+    outs.insert(outs.end(), kv.begin(), kv.end());
+    outs.push_back(cuda::SiluRows(slices[2], parts[2]));
+    return outs;
+  };
+  std::vector<torch::Tensor> w;
+  for (const auto& out : run(std::vector<GradientPart>(3))) w.push_back(torch::randn(out.sizes(), Opts()));
+  const auto own = torch::autograd::grad(run(std::vector<GradientPart>(3)), slices, w);
+  Poison();
+  const auto shared = torch::autograd::grad(run(SharedGradientParts(slices)), slices, w);
+  const int64_t row = widths[0] + widths[1] + widths[2];
+  for (int i = 0; i < 3; ++i) {
+    const std::string what = "part " + std::to_string(i);
+    EXPECT_TRUE(torch::equal(shared[i], own[i])) << what;
+    EXPECT_TRUE(shared[i].storage().is_alias_of(shared[0].storage())) << what;
+    if (c.B * c.T > 1) EXPECT_EQ(shared[i].stride(-2), row) << what;  // (a lone row's stride is arbitrary)
+    const int64_t offset = i == 0 ? 0 : (i == 1 ? widths[0] : widths[0] + widths[1]);
+    EXPECT_EQ(static_cast<const char*>(shared[i].data_ptr()),
+              static_cast<const char*>(shared[0].data_ptr()) + offset * shared[0].element_size())
+        << what;
+  }
+}
+
 // D = the case's head dim takes the vector kernels (16-bit types; D/8 lanes per row), D - 4
 // (not 8 times a power of two) the one-element-per-lane kernels.
 TEST_P(FusedOpsTest, GateMixingMatchesTheReference) {

@@ -11,6 +11,7 @@
 #include "model/transformer.h"
 #include "nsa/attention.h"
 #include "nsa/compress.h"
+#include "nsa/shared_gradient.h"
 #include "test_util.h"
 
 namespace nsad::nsa {
@@ -68,6 +69,60 @@ TEST(SharedInputLinear, MatchesSeparateLayersWithAndWithoutBias) {
   EXPECT_LT(MaxDiff(middle_dw, b->weight.grad()), 1e-12);
   EXPECT_LT(MaxDiff(middle_db, b->bias.grad()), 1e-12);
   EXPECT_THROW(SharedInputLinearJoint(x, {a, b}), c10::Error);  // the joint output has no biased layer
+}
+
+// An identity whose backward writes its gradient into a SharedGradient's part, as the fused
+// ops that read the attention's projection do.
+struct IdentityIntoPart : torch::autograd::Function<IdentityIntoPart> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const GradientPart& part) {
+    ctx->saved_data["part"] = part.ToSaved();
+    ctx->saved_data["sizes"] = x.sizes().vec();
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto dx = GradientPart::FromSaved(ctx->saved_data["part"]).Take(ctx->saved_data["sizes"].toIntVector());
+    if (!dx.defined()) return {grads[0], torch::Tensor()};
+    dx.copy_(grads[0]);
+    return {dx, torch::Tensor()};
+  }
+};
+
+// Gradients that come back as adjacent slices of one buffer take one dx and one dW GEMM
+// (JointGradientBackwards counts them) and give what separate gradients give; with one part
+// outside the buffer the per-part GEMMs run, with the same result.
+TEST(SharedInputLinear, GradientsInOneSharedBufferMatchSeparateOnes) {
+  torch::manual_seed(13);
+  torch::nn::Linear a(torch::nn::LinearOptions(6, 5).bias(false)), b(6, 3), c(torch::nn::LinearOptions(6, 4).bias(false));
+  for (auto* layer : {&a, &b, &c}) (*layer)->to(torch::kDouble);
+  const auto x = torch::randn({2, 7, 6}, torch::kDouble).requires_grad_(true);
+  const auto w = torch::randn({2, 7, 12}, torch::kDouble);
+  // The gradients of x, a, b (weight and bias), c after a backward through the parts, each
+  // part through IdentityIntoPart with `parts[i]`.
+  const auto gradients = [&](bool shared, bool all_parts) {
+    for (auto* layer : {&a, &b, &c}) (*layer)->zero_grad();
+    x.mutable_grad().reset();
+    const auto outs = SharedInputLinear(x, {a, b, c});
+    std::vector<GradientPart> parts(outs.size());
+    if (shared) parts = SharedGradientParts(outs);
+    if (!all_parts) parts[1] = GradientPart();
+    std::vector<torch::Tensor> ys;
+    for (size_t i = 0; i < outs.size(); ++i) ys.push_back(IdentityIntoPart::apply(outs[i], parts[i]));
+    torch::cat(ys, -1).mul(w).sum().backward();
+    return std::vector<torch::Tensor>{x.grad().clone(), a->weight.grad().clone(), b->weight.grad().clone(),
+                                      b->bias.grad().clone(), c->weight.grad().clone()};
+  };
+  const auto separate = gradients(false, true);
+  const int64_t joint0 = JointGradientBackwards();
+  const auto joint = gradients(true, true);
+  EXPECT_EQ(JointGradientBackwards() - joint0, 1);
+  const auto two_of_three = gradients(true, false);
+  EXPECT_EQ(JointGradientBackwards() - joint0, 1);
+  for (size_t i = 0; i < separate.size(); ++i) {
+    EXPECT_LT(MaxDiff(joint[i], separate[i]), 1e-12) << i;
+    EXPECT_LT(MaxDiff(two_of_three[i], separate[i]), 1e-12) << i;
+  }
 }
 
 // Under bf16 autocast the float32 bias must not promote a layer's output to float32 (the

@@ -87,10 +87,13 @@ TEST_F(BackendTest, CudaBackendRunsOnlyTheKernels) {
   if (ProbeRuntime().cuda_devices == 0) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(ProbeRuntime().cuda_kernels) << "a GPU build must have runnable NSA kernels";
   int64_t fused = -1;
+  const int64_t joint0 = JointGradientBackwards();
   const auto [reference, cuda] = Count(Tiny("cuda", AttentionBackend::kCuda), 3, &fused);
   EXPECT_EQ(cuda, 3 * 2);
   EXPECT_EQ(reference, 0);
   EXPECT_EQ(fused, 3 * kFusedPerStep) << "RoPE, gate mixing and silu, add + norm, SwiGLU, gate statistics and the loss run fused";
+  EXPECT_EQ(JointGradientBackwards() - joint0, 3 * 2)
+      << "each layer's q, kv and gate gradients reach the input projection as one buffer";
 }
 
 TEST_F(BackendTest, AutoOnAGpuPicksTheKernelsAndReferenceStaysReference) {

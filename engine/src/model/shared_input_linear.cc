@@ -1,16 +1,44 @@
 #include "model/shared_input_linear.h"
 
 #include <ATen/ATen.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 
 #include "model/row_ops.h"
 #include "model/weight_copies.h"
 
 namespace nsad {
 namespace {
+
+std::atomic<int64_t> joint_gradient_backwards{0};
+
+// The parts' gradients as one [rows, sum of sizes] matrix, when they lie as its adjacent
+// column slices (written there by their consumers through a nsa::SharedGradient), in dtype
+// `type`; else undefined.
+torch::Tensor AdjacentParts(const torch::autograd::variable_list& grads, const std::vector<int64_t>& sizes,
+                            int64_t rows, at::ScalarType type) {
+  const int64_t width = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  if (grads.size() < 2 || !grads[0].defined() || rows < 2) return {};
+  const auto& first = grads[0];
+  const char* base = static_cast<const char*>(first.data_ptr());
+  for (size_t i = 0, offset = 0; i < grads.size(); offset += sizes[i], ++i) {
+    const auto& g = grads[i];
+    if (!g.defined() || g.scalar_type() != type || g.device() != first.device() ||
+        !g.storage().is_alias_of(first.storage()) ||
+        static_cast<const char*>(g.data_ptr()) != base + offset * g.element_size()) {
+      return {};
+    }
+    const std::vector<int64_t> as_matrix = {rows, sizes[i]};
+    const auto strides = at::detail::computeStride(g.sizes(), g.strides(), at::IntArrayRef(as_matrix));
+    if (!strides || (*strides)[0] != width || (*strides)[1] != 1) return {};
+  }
+  return first.as_strided({rows, width}, {width, 1});
+}
 
 // dW = g^T x in the parameters' dtype. Where the GEMM can write it (CUDA, 16-bit operands,
 // float32 parameters) it does, instead of writing 16-bit and casting: one kernel and one
@@ -93,13 +121,25 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     std::vector<int64_t> offset(n, 0), bias_slot(n, 0);
     for (size_t i = 1; i < n; ++i) offset[i] = offset[i - 1] + sizes[i - 1];
     for (size_t i = 0, b = 1 + n; i < n; ++i) bias_slot[i] = has_bias[i] ? b++ : 0;
-    if (!ctx->saved_data["split"].toBool()) {  // the joint output (no biases)
-      if (!grads[0].defined()) return out;
-      const auto g = grads[0].reshape({-1, joint.size(0)}).to(x2.scalar_type());
+    // The gradient of all parts as one matrix g [rows, sum of sizes]: one dW GEMM, whose rows
+    // are the layers' dW, and one dx GEMM; each bias sums its own columns.
+    const auto from_one_matrix = [&](const torch::Tensor& g) {
       const auto dw = WeightGradient(g, x2, param_dtype);
-      for (size_t i = 0; i < n; ++i) out[1 + i] = dw.narrow(0, offset[i], sizes[i]);
+      for (size_t i = 0; i < n; ++i) {
+        out[1 + i] = dw.narrow(0, offset[i], sizes[i]);
+        if (has_bias[i]) out[bias_slot[i]] = SumRows(g.narrow(1, offset[i], sizes[i])).to(param_dtype);
+      }
       out[0] = at::mm(g, joint).view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
       return out;
+    };
+    if (!ctx->saved_data["split"].toBool()) {  // the joint output (no biases)
+      if (!grads[0].defined()) return out;
+      return from_one_matrix(grads[0].reshape({-1, joint.size(0)}).to(x2.scalar_type()));
+    }
+    // Parts that their consumers wrote into one buffer.
+    if (const auto g = AdjacentParts(grads, sizes, x2.size(0), x2.scalar_type()); g.defined()) {
+      joint_gradient_backwards.fetch_add(1, std::memory_order_relaxed);
+      return from_one_matrix(g);
     }
     // dx sums the parts' products, the narrowest first: it writes dx, and the wider ones,
     // bound by their arithmetic, hide the read of dx that accumulating costs (the gate's
@@ -126,6 +166,8 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
 };
 
 }  // namespace
+
+int64_t JointGradientBackwards() { return joint_gradient_backwards.load(); }
 
 torch::ScalarType LinearComputeType(const torch::Tensor& x) {
   const auto device = x.device().type();

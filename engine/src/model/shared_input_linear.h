@@ -39,6 +39,15 @@ torch::ScalarType LinearComputeType(const torch::Tensor& x);
 // only (the forward adds the biases in the GEMM's epilogue).
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
                                              const std::vector<torch::nn::Linear>& layers);
+// Backward: where the outputs' gradients come back as adjacent column slices of one
+// [rows, sum of out_features] buffer (their consumers wrote them through a nsa::SharedGradient,
+// nsa/shared_gradient.h), one dx GEMM and one dW GEMM for all the layers; otherwise one of
+// each per output that got a gradient.
+//
+// How many backwards took the one-buffer path in this process: lets tests prove that the
+// attention's three parts arrive as one.
+int64_t JointGradientBackwards();
+
 // The joint output [..., sum of out_features] = [layers[0](x) | layers[1](x) | ...], for
 // layers without a bias (throws otherwise).
 torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,

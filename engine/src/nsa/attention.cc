@@ -133,11 +133,18 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
   const auto projected = SharedInputLinear(x, InputProjections());
+  // The three ops that read the projection's parts (q, kv, the gate MLP's hidden layer) write
+  // their gradients into one buffer where their fused backwards run, so that the projection's
+  // backward is one dx GEMM and one dW GEMM (nsa/shared_gradient.h). The reference ops ignore it.
+  std::vector<GradientPart> grad_parts(projected.size());
+  if (backend_ == AttentionBackend::kCuda && projected[0].requires_grad()) {
+    grad_parts = SharedGradientParts(projected);
+  }
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
   // contiguous parts by one call, which also rotates the selected and window keys; its
   // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
   const auto kv = RotateParts(backend_, projected[1].view({B, T, 6, G, D}), rope.tokens,
-                              {false, false, true, false, true, false});
+                              {false, false, true, false, true, false}, grad_parts[1]);
   const auto& k_slc = kv[2];
   const auto& v_slc = kv[3];
   const auto& k_win = kv[4];
@@ -148,11 +155,11 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gate_logits = ApplyLinear(GateOutput(), Silu(backend_, projected[2]));
+  const auto gate_logits = ApplyLinear(GateOutput(), Silu(backend_, projected[2], grad_parts[2]));
   const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
-                                  v_slc, k_win, v_win, gates, G, g);
+                                  v_slc, k_win, v_win, gates, G, g, grad_parts[0]);
   last_gates_ = gates.detach();
   last_block_idx_ = mixed.block_idx.detach();
   return ApplyLinear(o_proj_, mixed.out.reshape({B, T, H * D}));

@@ -97,7 +97,8 @@ torch::Tensor SlidingWindowAttention(AttentionBackend backend, const torch::Tens
 MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unrotated, const RopeTable& q_rope,
                            const torch::Tensor& k_cmp, const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                            const torch::Tensor& v_slc, const torch::Tensor& k_win, const torch::Tensor& v_win,
-                           const torch::Tensor& gates, int64_t num_groups, const Geometry& g) {
+                           const torch::Tensor& gates, int64_t num_groups, const Geometry& g,
+                           const GradientPart& dq_unrotated) {
   const auto& q_in = q_unrotated;
 #ifdef NSAD_HAVE_CUDA_KERNELS
   const auto type = q_in.scalar_type();
@@ -112,7 +113,8 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
     fused_calls.fetch_add(1, std::memory_order_relaxed);  // the gate mixing
     fused_calls.fetch_add(1, std::memory_order_relaxed);  // RoPE
     auto [out, block_idx] =
-        cuda::BranchesMixed(q_in, q_rope.cos, q_rope.sin, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g);
+        cuda::BranchesMixed(q_in, q_rope.cos, q_rope.sin, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g,
+                            dq_unrotated);
     return {out, block_idx};
   }
 #endif
@@ -123,14 +125,15 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 }
 
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
-                                       const RopeTable& table, const std::vector<bool>& rotate) {
+                                       const RopeTable& table, const std::vector<bool>& rotate,
+                                       const GradientPart& dx) {
   TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "RotateParts: ", rotate.size(),
               " rotate flags for ", x.size(2), " parts");
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(x) && table.cos.scalar_type() == torch::kFloat) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
+    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, dx);
   }
 #else
   UseCuda(backend);
@@ -189,11 +192,11 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {
   return torch::silu(halves[0]) * halves[1];
 }
 
-torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x) {
+torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const GradientPart& dx) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(x)) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::SiluRows(x);
+    return cuda::SiluRows(x, dx);
   }
 #else
   UseCuda(backend);

@@ -7,6 +7,7 @@
 
 #include "nsa/ops.h"
 #include "nsa/rope.h"
+#include "nsa/shared_gradient.h"
 #include "nsad/config.h"
 
 namespace nsad::nsa {
@@ -42,7 +43,8 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(AttentionBack
 // MixBranches. On the CUDA kernels with bf16/fp16 inputs of one dtype, one autograd node
 // (cuda::BranchesMixed in nsa_cuda.h) whose backward hands the attention backwards the row
 // sums the mixing's backward already has and rounds the three branches' summed dq once, in
-// RoPE's backward; otherwise those four calls.
+// RoPE's backward, into dq_unrotated when given (q's part of a SharedGradient); otherwise
+// those four calls, which ignore dq_unrotated.
 struct MixedBranches {
   torch::Tensor out;        // [B,T,H,D]
   torch::Tensor block_idx;  // selected blocks [B,T,G,n] int32
@@ -51,7 +53,7 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
                            const torch::Tensor& k_cmp,
                            const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                            const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
-                           int64_t num_groups, const Geometry& g);
+                           int64_t num_groups, const Geometry& g, const GradientPart& dq_unrotated = {});
 
 // The attention module's elementwise steps. With the CUDA backend and CUDA tensors of a
 // type the kernels take (bf16, fp16, fp32) they run the fused kernels (kernels/fused_ops.h);
@@ -60,9 +62,11 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 //
 // x [B,T,P,M,D] split into its P parts x[:,:,p], each a contiguous [B,T,M,D], with RoPE
 // applied to the parts where rotate[p] (one call for a whole projection: its gradient then
-// comes back in one piece on the fused path).
+// comes back in one piece on the fused path, written into dx when given: x's part of a
+// SharedGradient).
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
-                                       const RopeTable& table, const std::vector<bool>& rotate);
+                                       const RopeTable& table, const std::vector<bool>& rotate,
+                                       const GradientPart& dx = {});
 // gates [B,T,H,3] (cmp, slc, win) -> sum over k of gates[...,k] * branch k, [B,T,H,D].
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
@@ -77,8 +81,9 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, con
 // silu(gate) * up [.., F].
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // silu(x) of the gate MLP's hidden layer, a column slice of the attention's joint input
-// projection: the fused path reads the slice where it lies with 16-byte accesses.
-torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x);
+// projection: the fused path reads the slice where it lies with 16-byte accesses, and
+// writes its gradient into dx when given (x's part of a SharedGradient).
+torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const GradientPart& dx = {});
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes

@@ -1,0 +1,99 @@
+// One gradient buffer for the column slices of one GEMM output.
+//
+// The attention's joint input projection (model/shared_input_linear.h) is one GEMM whose
+// output [rows, 1728] (m7c) is read as three column slices by three ops: q by the attention,
+// kv by RoPE, the gate MLP's hidden layer by silu. Each op's backward used to return its
+// slice's gradient as a tensor of its own, and the GEMM's backward then ran one dx GEMM and one
+// dW GEMM per slice (six, two of them accumulating, four with split-K reductions). Where the
+// three ops write their gradients into adjacent column slices of one buffer instead, the GEMM's
+// backward finds them as one [rows, 1728] matrix and runs one dx GEMM and one dW GEMM.
+//
+// Header-only: the kernels' autograd nodes (kernels/) and the model (engine/src) both use it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <utility>
+#include <vector>
+
+namespace nsad::nsa {
+
+// The buffer [rows, sum of widths] and the parts' column offsets. Allocated when the first
+// part is handed out (in the backward, on the stream it runs on: it lives only as long as the
+// gradients do, not from the forward on); once every part is handed out this holder lets go of
+// it, so the slices alone keep it alive. A second backward (retain_graph) gets a new buffer.
+class SharedGradient : public torch::CustomClassHolder {
+ public:
+  SharedGradient(int64_t rows, std::vector<int64_t> widths, torch::TensorOptions options)
+      : rows_(rows), widths_(std::move(widths)), options_(options) {
+    int64_t offset = 0;
+    for (const int64_t w : widths_) {
+      offsets_.push_back(offset);
+      offset += w;
+    }
+    width_ = offset;
+  }
+
+  // Part p's slice [rows, widths[p]] (row stride: the sum of the widths).
+  torch::Tensor Part(size_t p) {
+    TORCH_CHECK(p < widths_.size(), "SharedGradient has ", widths_.size(), " parts, asked for part ", p);
+    if (!buffer_.defined()) {
+      buffer_ = torch::empty({rows_, width_}, options_);
+      handed_out_ = 0;
+    }
+    auto part = buffer_.narrow(1, offsets_[p], widths_[p]);
+    if (++handed_out_ == widths_.size()) buffer_ = torch::Tensor();
+    return part;
+  }
+
+ private:
+  int64_t rows_, width_ = 0;
+  std::vector<int64_t> widths_, offsets_;
+  torch::TensorOptions options_;
+  torch::Tensor buffer_;
+  size_t handed_out_ = 0;
+};
+
+// Where an op's backward writes the gradient of one input: part `index` of `shared`, or, with
+// no shared gradient, a tensor of the op's own. An autograd node keeps it in its saved data
+// (ToSaved / FromSaved).
+struct GradientPart {
+  c10::intrusive_ptr<SharedGradient> shared;
+  size_t index = 0;
+
+  bool defined() const { return shared.defined(); }
+  // The part viewed as the input's shape `sizes` ([.., widths[index]] with the rows in front),
+  // or an undefined tensor when there is no shared gradient.
+  torch::Tensor Take(at::IntArrayRef sizes) const {
+    if (!defined()) return {};
+    return shared->Part(index).view(sizes);
+  }
+
+  c10::IValue ToSaved() const {
+    if (!defined()) return c10::IValue();
+    return c10::ivalue::Tuple::create({c10::IValue::make_capsule(shared), static_cast<int64_t>(index)});
+  }
+  static GradientPart FromSaved(const c10::IValue& saved) {
+    GradientPart part;
+    if (!saved.isTuple()) return part;
+    const auto& items = saved.toTupleRef().elements();
+    part.shared = c10::static_intrusive_pointer_cast<SharedGradient>(items[0].toCapsule());
+    part.index = static_cast<size_t>(items[1].toInt());
+    return part;
+  }
+};
+
+// One part per column slice of a joint output whose slices are `parts` (each [.., width_i],
+// the same leading sizes): the parts of one new SharedGradient in the slices' dtype and device.
+inline std::vector<GradientPart> SharedGradientParts(const std::vector<torch::Tensor>& parts) {
+  std::vector<int64_t> widths;
+  for (const auto& p : parts) widths.push_back(p.size(-1));
+  const int64_t rows = parts.empty() || widths[0] == 0 ? 0 : parts[0].numel() / widths[0];
+  auto shared = c10::make_intrusive<SharedGradient>(rows, widths, parts.empty() ? torch::TensorOptions()
+                                                                               : parts[0].options());
+  std::vector<GradientPart> out;
+  for (size_t i = 0; i < parts.size(); ++i) out.push_back({shared, i});
+  return out;
+}
+
+}  // namespace nsad::nsa
