@@ -47,8 +47,9 @@ __device__ __forceinline__ void LoadRowOrZeros(const float* p, int64_t offset, f
   }
 }
 
-// x float32, y and h of type scalar_t; s float32; rstd float32 [rows].
-template <typename scalar_t, int kVec>
+// x float32, y and h of type scalar_t; s float32; rstd float32 [rows]. kYIn false: no y (the
+// norm of x alone), s is x and is not written.
+template <typename scalar_t, int kVec, bool kYIn>
 __global__ void __launch_bounds__(kThreads)
     AddRmsNormForwardKernel(const float* __restrict__ x, const scalar_t* __restrict__ y,
                             const float* __restrict__ w, float* __restrict__ s,
@@ -62,19 +63,19 @@ __global__ void __launch_bounds__(kThreads)
     for (int c = lane * kVec; c < C; c += 32 * kVec) {
       float a[kVec], b[kVec];
       LoadFloats<kVec>(x + base + c, a);
-      LoadFloats<kVec>(y + base + c, b);
+      if constexpr (kYIn) LoadFloats<kVec>(y + base + c, b);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        a[k] += b[k];
+        if constexpr (kYIn) a[k] += b[k];
         sum_sq += a[k] * a[k];
       }
-      StoreFloats<kVec>(s + base + c, a);
+      if constexpr (kYIn) StoreFloats<kVec>(s + base + c, a);
     }
     const float r = rsqrtf(WarpSum(sum_sq) / C + eps);
-    // Second pass over the row this warp just wrote (in L1/L2).
+    // Second pass over the row this warp just wrote or read (in L1/L2).
     for (int c = lane * kVec; c < C; c += 32 * kVec) {
       float a[kVec], g[kVec];
-      LoadFloats<kVec>(s + base + c, a);
+      LoadFloats<kVec>((kYIn ? s : x) + base + c, a);
       LoadFloats<kVec>(w + c, g);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) a[k] = a[k] * r * g[k];
@@ -103,9 +104,10 @@ __device__ __forceinline__ void StoreCtaPartial(const float* dw_smem, float* dw_
 }
 
 // With s_hat = s * rstd and u = dh * w: ds = ds_in + rstd * (u - s_hat * mean(u * s_hat))
-// (kDsIn false: ds_in is not read, zeros); dw = sum over rows of dh * s_hat (per CTA into
+// (kDsIn false: ds_in is not read, zeros), also written to dy unless kDyOut is false (the norm
+// of x alone has no y); dw = sum over rows of dh * s_hat (per CTA into
 // dw_partial[blockIdx.x]).
-template <typename scalar_t, int kVec, bool kDsIn>
+template <typename scalar_t, int kVec, bool kDsIn, bool kDyOut>
 __global__ void __launch_bounds__(kThreads)
     AddRmsNormBackwardKernel(const float* __restrict__ ds_in, const scalar_t* __restrict__ dh,
                              const float* __restrict__ s, const float* __restrict__ rstd,
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) d[k] += r * (g[k] * wt[k] - a[k] * r * mean_dot);
       StoreFloats<kVec>(ds + base + c, d);
-      StoreFloats<kVec>(dy + base + c, d);
+      if constexpr (kDyOut) StoreFloats<kVec>(dy + base + c, d);
     }
   }
   StoreCtaPartial(dw_smem, dw_partial, C);
@@ -152,7 +154,7 @@ __global__ void __launch_bounds__(kThreads)
 // kIters): dh, s and ds_in are each read once per row, all of the row's loads issued before
 // the first is used. The kernel above rereads dh and s for its second pass and has two loads
 // in flight per lane: it moved 2.3 TB/s on an H100 (174 us per call at m7c's batch 16).
-template <typename scalar_t, int kVec, int kIters, bool kDsIn>
+template <typename scalar_t, int kVec, int kIters, bool kDsIn, bool kDyOut>
 __global__ void __launch_bounds__(kThreads)
     AddRmsNormBackwardRegistersKernel(const float* __restrict__ ds_in, const scalar_t* __restrict__ dh,
                                       const float* __restrict__ s, const float* __restrict__ rstd,
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < kVec; ++k) d[it][k] += r * (g[it][k] * wt[k] - a[it][k] * mean_dot);
         StoreFloats<kVec>(ds + base + c, d[it]);
-        StoreFloats<kVec>(dy + base + c, d[it]);
+        if constexpr (kDyOut) StoreFloats<kVec>(dy + base + c, d[it]);
       }
     }
   }
@@ -238,30 +240,38 @@ int RowCtas(Kernel kernel, int64_t rows, size_t smem_bytes) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tensor& x,
                                                                  const at::Tensor& y,
                                                                  const at::Tensor& weight,
-                                                                 double eps) {
+                                                                 double eps, at::ScalarType h_type) {
   const int64_t C = weight.numel();
   CheckRows(x, "x", C);
-  CheckRows(y, "y", C);
+  if (y.defined()) CheckRows(y, "y", C);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "add+rms_norm takes a float32 residual and weight");
-  TORCH_CHECK(x.sizes() == y.sizes(), "add+rms_norm: x ", x.sizes(), " and y ", y.sizes());
+  TORCH_CHECK(!y.defined() || x.sizes() == y.sizes(), "add+rms_norm: x ", x.sizes(), " and y ", y.sizes());
   const int64_t rows = C == 0 ? 0 : x.numel() / C;
-  auto s = at::empty_like(x);
-  auto h = at::empty_like(y);
+  auto s = y.defined() ? at::empty_like(x) : at::Tensor();
+  auto h = at::empty(x.sizes(), x.options().dtype(y.defined() ? y.scalar_type() : h_type));
   auto rstd = at::empty({rows}, x.options());
   if (rows == 0) return {s, h, rstd};
   const auto w = weight.contiguous();
-  NSA_DISPATCH_TYPES(y.scalar_type(), "nsa_add_rms_norm_forward", [&] {
+  NSA_DISPATCH_TYPES(h.scalar_type(), "nsa_add_rms_norm_forward", [&] {
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>((rows + kWarps - 1) / kWarps, 1 << 16)));
     auto launch = [&](auto kernel) {
-      Launch(kernel, grid, 0, x.data_ptr<float>(), y.data_ptr<scalar_t>(), w.data_ptr<float>(),
-             s.data_ptr<float>(), h.data_ptr<scalar_t>(), rstd.data_ptr<float>(), rows,
-             static_cast<int>(C), static_cast<float>(eps));
+      Launch(kernel, grid, 0, x.data_ptr<float>(), y.defined() ? y.data_ptr<scalar_t>() : nullptr,
+             w.data_ptr<float>(), s.defined() ? s.data_ptr<float>() : nullptr, h.data_ptr<scalar_t>(),
+             rstd.data_ptr<float>(), rows, static_cast<int>(C), static_cast<float>(eps));
     };
-    if (RowsTakeVectors(C, {&x, &y, &w, &s, &h})) {
-      launch(AddRmsNormForwardKernel<scalar_t, 4>);
+    const auto launch_for = [&](auto y_in) {
+      constexpr bool kYIn = decltype(y_in)::value;
+      if (RowsTakeVectors(C, {&x, &w, &h}) && (!kYIn || RowsTakeVectors(C, {&y, &s}))) {
+        launch(AddRmsNormForwardKernel<scalar_t, 4, kYIn>);
+      } else {
+        launch(AddRmsNormForwardKernel<scalar_t, 1, kYIn>);
+      }
+    };
+    if (y.defined()) {
+      launch_for(std::true_type{});
     } else {
-      launch(AddRmsNormForwardKernel<scalar_t, 1>);
+      launch_for(std::false_type{});
     }
   });
   return {s, h, rstd};
@@ -269,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tenso
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     const at::Tensor& ds_in, const at::Tensor& dh_in, const at::Tensor& s, const at::Tensor& rstd,
-    const at::Tensor& weight) {
+    const at::Tensor& weight, bool want_dy) {
   const int64_t C = weight.numel();
   TORCH_CHECK(C <= kAddRmsNormMaxChannels, "add+rms_norm takes at most ", kAddRmsNormMaxChannels,
               " channels, got ", C);
@@ -278,11 +288,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
   CheckRows(dh, "dh", C);
   TORCH_CHECK(!ds_in.defined() || ds_in.sizes() == s.sizes(), "add+rms_norm backward: the gradient of s must be "
               "shaped like s");
-  // Undefined where only h was used (the final norm): the kernels read no zeros for it.
-  const auto ds_prev = ds_in.defined() ? ds_in.to(at::kFloat).contiguous() : at::Tensor();
+  // Undefined where only h was used (the final norm): the kernels read no zeros for it. The
+  // norm of x alone always reads one (its s is x, whose other uses give it a gradient).
+  auto ds_prev = ds_in.defined() ? ds_in.to(at::kFloat).contiguous() : at::Tensor();
+  if (!want_dy && !ds_prev.defined()) ds_prev = at::zeros_like(s);
   const int64_t rows = C == 0 ? 0 : s.numel() / C;
   auto ds = at::empty_like(s);
-  auto dy = at::empty_like(dh);
+  auto dy = want_dy ? at::empty_like(dh) : at::Tensor();
   if (rows == 0) return {ds, dy, at::zeros_like(weight)};
   const auto w = weight.contiguous();
   const size_t smem = kWarps * C * sizeof(float);
@@ -292,27 +304,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
       const int ctas = RowCtas(kernel, rows, smem);
       dw_partial = at::empty({ctas, C}, s.options());
       Launch(kernel, dim3(ctas), smem, ds_prev.defined() ? ds_prev.data_ptr<float>() : nullptr,
-             dh.data_ptr<scalar_t>(), s.data_ptr<float>(),
-             rstd.data_ptr<float>(), w.data_ptr<float>(), ds.data_ptr<float>(), dy.data_ptr<scalar_t>(),
-             dw_partial.data_ptr<float>(), rows, static_cast<int>(C));
+             dh.data_ptr<scalar_t>(), s.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(),
+             ds.data_ptr<float>(), dy.defined() ? dy.data_ptr<scalar_t>() : nullptr, dw_partial.data_ptr<float>(),
+             rows, static_cast<int>(C));
     };
-    const auto launch_for = [&](auto ds_in_read) {
-      constexpr bool kDsIn = decltype(ds_in_read)::value;
+    // kDsIn and kDyOut as (true, true), (false, true) or (true, false).
+    const auto launch_for = [&](auto ds_in_read, auto dy_out) {
+      constexpr bool kDsIn = decltype(ds_in_read)::value, kDyOut = decltype(dy_out)::value;
       const bool ds_aligned = !kDsIn || AlignedFor(ds_prev, 4);
-      if (ds_aligned && RowsTakeVectors(C, {&dh, &s, &w, &ds, &dy})) {
+      const bool dy_aligned = !kDyOut || AlignedFor(dy, 4);
+      if (ds_aligned && dy_aligned && RowsTakeVectors(C, {&dh, &s, &w, &ds})) {
         if (C <= 32 * 4 * kBackwardRegisterIters) {
-          launch(AddRmsNormBackwardRegistersKernel<scalar_t, 4, kBackwardRegisterIters, kDsIn>);
+          launch(AddRmsNormBackwardRegistersKernel<scalar_t, 4, kBackwardRegisterIters, kDsIn, kDyOut>);
         } else {
-          launch(AddRmsNormBackwardKernel<scalar_t, 4, kDsIn>);
+          launch(AddRmsNormBackwardKernel<scalar_t, 4, kDsIn, kDyOut>);
         }
       } else {
-        launch(AddRmsNormBackwardKernel<scalar_t, 1, kDsIn>);
+        launch(AddRmsNormBackwardKernel<scalar_t, 1, kDsIn, kDyOut>);
       }
     };
-    if (ds_prev.defined()) {
-      launch_for(std::true_type{});
+    if (!want_dy) {
+      launch_for(std::true_type{}, std::false_type{});
+    } else if (ds_prev.defined()) {
+      launch_for(std::true_type{}, std::true_type{});
     } else {
-      launch_for(std::false_type{});
+      launch_for(std::false_type{}, std::true_type{});
     }
   });
   // The partials' column sums as a product with ones: at::sum over the 528 rows of [528, 768]

@@ -102,17 +102,19 @@ at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x, const a
 
 // Residual add + RMSNorm: s = x + y (x float32, s float32), h = s * rsqrt(mean(s^2) + eps)
 // * weight (weight float32 [C]) in y's dtype; also returns rstd [rows] float32. Channels up
-// to kAddRmsNormMaxChannels.
+// to kAddRmsNormMaxChannels. y undefined: the norm of x alone, h in h_type; s is x, not
+// written, and comes back undefined.
 constexpr int64_t kAddRmsNormMaxChannels = 3072;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tensor& x,
                                                                  const at::Tensor& y,
                                                                  const at::Tensor& weight,
-                                                                 double eps);
+                                                                 double eps, at::ScalarType h_type = at::kFloat);
 // Gradients from ds_in (w.r.t. s; undefined: zeros, read from nowhere) and dh: returns
-// (dx float32, dy in dh's dtype -- the same values -- and dweight float32 [C]).
+// (dx float32, dy in dh's dtype -- the same values -- and dweight float32 [C]). want_dy
+// false (the norm of x alone): dy is not written and comes back undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     const at::Tensor& ds_in, const at::Tensor& dh, const at::Tensor& s, const at::Tensor& rstd,
-    const at::Tensor& weight);
+    const at::Tensor& weight, bool want_dy = true);
 
 // Gate statistics of one layer (kernels/gate_stats.cu): gates [B,T,H,3] (bf16, fp16 or fp32)
 // and block_idx [B,T,G,n] (int32 or int64, -1 = no block) -> float32 [7]: the mean of each

@@ -153,6 +153,30 @@ struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
   }
 };
 
+// The norm of x alone, before the first block: outputs (x, h), x passed through so that the
+// residual's gradient comes into this backward and is summed with the norm's in the kernel
+// (no autograd add of x's two gradients); saves x and rstd.
+struct RmsNormOfResidualFn : torch::autograd::Function<RmsNormOfResidualFn> {
+  static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                             int64_t h_type) {
+    RECORD_FUNCTION("nsa::rms_norm_of_residual_forward", std::vector<c10::IValue>());
+    auto [unused_s, h, rstd] =
+        detail::AddRmsNormForward(x, torch::Tensor(), weight, eps, static_cast<at::ScalarType>(h_type));
+    ctx->save_for_backward({x, rstd, weight});
+    ctx->set_materialize_grads(false);
+    return {x, h};
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::rms_norm_of_residual_backward", std::vector<c10::IValue>());
+    const torch::Tensor none;
+    if (!grads[1].defined()) return {grads[0], none, none, none};  // h unused: x's own gradient
+    const auto saved = ctx->get_saved_variables();
+    auto [dx, unused_dy, dw] =
+        detail::AddRmsNormBackward(grads[0], grads[1], saved[0], saved[1], saved[2], /*want_dy=*/false);
+    return {dx, dw, none, none};
+  }
+};
+
 }  // namespace
 
 bool FusedOpsTake(const torch::Tensor& t) {
@@ -194,6 +218,12 @@ bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch
 std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const torch::Tensor& y,
                                                    const torch::Tensor& weight, double eps) {
   auto out = AddRmsNormFn::apply(x.contiguous(), y.contiguous(), weight, eps);
+  return {out[0], out[1]};
+}
+
+std::pair<torch::Tensor, torch::Tensor> RmsNormOfResidual(const torch::Tensor& x, const torch::Tensor& weight,
+                                                          double eps, torch::ScalarType h_type) {
+  auto out = RmsNormOfResidualFn::apply(x.contiguous(), weight, eps, static_cast<int64_t>(h_type));
   return {out[0], out[1]};
 }
 

@@ -41,6 +41,12 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const
                                                    const torch::Tensor& weight, double eps);
 // Whether AddRmsNorm takes these inputs (devices, dtypes, shapes, channel count).
 bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& weight);
+// The norm of a residual x with nothing added to it (before the first block): (x, h =
+// rms_norm(x, weight, eps) in h_type), differentiable w.r.t. x and weight; x's two gradients
+// (through the first output and through h) are summed in the backward's kernel. Takes what
+// AddRmsNorm takes for x and weight (AddRmsNormTakes(x, x, weight)).
+std::pair<torch::Tensor, torch::Tensor> RmsNormOfResidual(const torch::Tensor& x, const torch::Tensor& weight,
+                                                          double eps, torch::ScalarType h_type);
 
 // joint [.., 2F] = [gate | up] -> silu(gate) * up [.., F], differentiable w.r.t. joint
 // (whose gradient comes back as one contiguous tensor).

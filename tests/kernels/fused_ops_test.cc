@@ -418,6 +418,44 @@ TEST_P(FusedOpsTest, AddRmsNormMatchesTheReference) {
   }
 }
 
+// The norm before the first block against float32 LibTorch: x passes through unchanged (no
+// copy) and x's gradient sums the residual's and the norm's; then h alone and x alone carry
+// gradient. C as in AddRmsNormMatchesTheReference.
+TEST_P(FusedOpsTest, RmsNormOfResidualMatchesTheReference) {
+  const FusedCase c = GetParam();
+  const auto f32 = Opts().dtype(torch::kFloat);
+  for (const int64_t C : {c.H * c.D, c.H * c.D - 3}) {
+    const auto x = torch::randn({c.B, c.T, C}, f32).requires_grad_(true);
+    const auto w = (torch::rand({C}, f32) + 0.5).requires_grad_(true);
+    const auto ws = torch::randn({c.B, c.T, C}, f32), wh = torch::randn({c.B, c.T, C}, Opts());
+    Poison();
+    const auto [s_out, h_out] = cuda::RmsNormOfResidual(x, w, 1e-5, c.dtype);
+    EXPECT_EQ(s_out.data_ptr(), x.data_ptr()) << "the residual is x itself";
+    Poison();
+    const auto grads = torch::autograd::grad({s_out, h_out}, {x, w}, {ws, wh});
+
+    const auto x32 = x.detach().requires_grad_(true), w32 = w.detach().requires_grad_(true);
+    const auto h_ref = torch::rms_norm(x32, {C}, w32, 1e-5);
+    const auto ref = torch::autograd::grad({x32, h_ref}, {x32, w32}, {ws, wh.to(torch::kFloat)});
+    const std::string what = "rms_norm_of_residual C=" + std::to_string(C);
+    ExpectClose(h_out, h_ref, Tolerance(), what + " h");
+    EXPECT_EQ(grads[0].scalar_type(), torch::kFloat);
+    EXPECT_LT(RelErr(grads[0], ref[0]), 1e-4) << what << " dx";
+    EXPECT_LT(RelErr(grads[1], ref[1]), 1e-4) << what << " dweight";
+
+    const auto [s_h, h_only] = cuda::RmsNormOfResidual(x, w, 1e-5, c.dtype);
+    Poison();
+    const auto h_grads = torch::autograd::grad({h_only}, {x, w}, {wh});
+    const auto h_ref_grads =
+        torch::autograd::grad({torch::rms_norm(x32, {C}, w32, 1e-5)}, {x32, w32}, {wh.to(torch::kFloat)});
+    EXPECT_LT(RelErr(h_grads[0], h_ref_grads[0]), 1e-4) << what << " dx, h only";
+    EXPECT_LT(RelErr(h_grads[1], h_ref_grads[1]), 1e-4) << what << " dweight, h only";
+
+    const auto [s_only, h_s] = cuda::RmsNormOfResidual(x, w, 1e-5, c.dtype);
+    EXPECT_TRUE(torch::equal(torch::autograd::grad({s_only}, {x}, {ws})[0], ws)) << what << " dx, x only";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, FusedOpsTest,
                          testing::Values(FusedCase{1, 1, 4, 64, torch::kBFloat16},
                                          FusedCase{2, 33, 12, 64, torch::kBFloat16},

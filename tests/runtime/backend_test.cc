@@ -64,9 +64,10 @@ class BackendTest : public ::testing::Test {
   // keys (one call) and of the compressed keys, the gate mixing, the gate MLP's silu, the
   // residual add + the MLP's norm, the SwiGLU, and the gate statistics the step reads out.
   static constexpr int64_t kFusedPerLayer = 8;
-  // Per step of the 2-layer model: its layers, the previous MLP output's residual add with
-  // the second layer's attention norm and with the final norm, and the loss.
-  static constexpr int64_t kFusedPerStep = 2 * kFusedPerLayer + 2 + 1;
+  // Per step of the 2-layer model: its layers, the first layer's attention norm, the previous
+  // MLP output's residual add with the second layer's attention norm and with the final norm,
+  // and the loss.
+  static constexpr int64_t kFusedPerStep = 2 * kFusedPerLayer + 3 + 1;
   testing::TempDir tmp_{"nsad-backend-test"};
 };
 

@@ -27,10 +27,10 @@ namespace {
 RmsNorm MakeNorm(const ModelConfig& config) { return RmsNorm(config.dim, config.norm_eps); }
 
 // {x + pending, norm(x + pending)} in one step (nsa::AddRmsNorm, one kernel on the CUDA
-// backend); x and norm(x) when nothing is pending (before the first block).
+// backend); x and norm(x) when nothing is pending (before the first block, nsa::RmsNormOfResidual).
 std::pair<torch::Tensor, torch::Tensor> AddPendingAndNorm(AttentionBackend backend, const torch::Tensor& x,
                                                           const torch::Tensor& pending, RmsNorm& norm) {
-  if (!pending.defined()) return {x, norm->forward(x)};
+  if (!pending.defined()) return nsa::RmsNormOfResidual(backend, x, norm->weight, norm->eps());
   return nsa::AddRmsNorm(backend, x, pending, norm->weight, norm->eps());
 }
 

@@ -1,5 +1,7 @@
 #include "nsa/dispatch.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <atomic>
 #include <stdexcept>
 
@@ -177,6 +179,21 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, con
   auto s = x + y;
   auto h = torch::rms_norm(s, {weight.size(0)}, weight, eps);
   return {s, h};
+}
+
+std::pair<torch::Tensor, torch::Tensor> RmsNormOfResidual(AttentionBackend backend, const torch::Tensor& x,
+                                                          const torch::Tensor& weight, double eps) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::AddRmsNormTakes(x, x, weight)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
+    return cuda::RmsNormOfResidual(x, weight, eps,
+                                   autocast ? at::autocast::get_autocast_dtype(x.device().type()) : x.scalar_type());
+  }
+#else
+  UseCuda(backend);
+#endif
+  return {x, torch::rms_norm(x, {weight.size(0)}, weight, eps)};
 }
 
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint) {

@@ -77,6 +77,12 @@ torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
 std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(AttentionBackend backend, const torch::Tensor& x,
                                                    const torch::Tensor& y,
                                                    const torch::Tensor& weight, double eps);
+// The norm before the first block, where nothing is added to the residual x yet: (x,
+// rms_norm(x) * weight). The fused path (float32 x, CUDA) writes the norm in the dtype the
+// next GEMM computes in (autocast's, else x's) and sums x's two gradients (the residual's and
+// the norm's) in its backward kernel; the reference returns x itself and the norm in float32.
+std::pair<torch::Tensor, torch::Tensor> RmsNormOfResidual(AttentionBackend backend, const torch::Tensor& x,
+                                                          const torch::Tensor& weight, double eps);
 // The SwiGLU of the model's MLP: joint [.., 2F] = [gate | up] (one GEMM's output) ->
 // silu(gate) * up [.., F].
 torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
@@ -98,8 +104,8 @@ torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& lo
 // (kernels/gate_stats.cu) instead of eight LibTorch ops.
 torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
                         const torch::Tensor& block_idx);
-// How many fused calls (RotateParts / MixBranches / AddRmsNorm / SwiGlu / Silu / CrossEntropyLoss /
-// GateStats on the kernels) this process
+// How many fused calls (RotateParts / MixBranches / AddRmsNorm / RmsNormOfResidual / SwiGlu / Silu /
+// CrossEntropyLoss / GateStats on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 
