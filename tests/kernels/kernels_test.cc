@@ -284,6 +284,33 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
   }
 }
 
+// A key block no position selected gets exactly zero dK and dV: the inverted block map has
+// empty segments for them and the backward's work items cover only selected blocks. Every
+// position here selects block 0 alone.
+TEST_P(KernelsTest, SelectedBackwardGivesZerosForBlocksNobodySelected) {
+  const Case c = GetParam();
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  auto q = Random({kBatch, c.T, c.H, c.D});
+  auto k = Random({kBatch, c.T, c.G, c.D});
+  auto v = Random({kBatch, c.T, c.G, c.D});
+  auto idx = torch::full({kBatch, c.T, c.G, geo_.top_n}, -1, Opts().dtype(torch::kInt));
+  idx.select(3, 0).fill_(0);
+  const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  Poison();
+  auto out = cuda::SelectedAttention(q, k, v, idx, geo_);
+  Poison();
+  out.backward(grad);
+  auto q32 = Upcast(q), k32 = Upcast(k), v32 = Upcast(v);
+  SelectedAttentionReference(q32, k32, v32, idx, geo_).backward(grad.to(torch::kFloat));
+  ExpectClose(k.grad(), k32.grad(), "dk");
+  ExpectClose(v.grad(), v32.grad(), "dv");
+  if (NS > 1) {
+    const int64_t rest = c.T - geo_.slc_block;
+    EXPECT_EQ(k.grad().narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(v.grad().narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0);
+  }
+}
+
 // A forced kernel that cannot run on a call fails it rather than running another kernel.
 TEST_P(KernelsTest, SelectedAttentionRejectsInapplicableChoice) {
   using Choice = cuda::detail::SelectedKernelChoice;
