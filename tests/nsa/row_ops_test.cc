@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/autocast_mode.h>
+
 #include <vector>
 
 #include "model/row_ops.h"
+#include "model/shared_input_linear.h"
 #include "test_util.h"
 
 namespace nsad {
@@ -87,6 +90,37 @@ TEST(EmbeddingRows, MatchesEmbeddingAndItsGradient) {
     }
   }
   EXPECT_THROW(EmbeddingRows(torch::ones({4}), torch::zeros({2}, torch::kLong)), c10::Error);
+}
+
+// A weight read by the embedding and by the tied LM head (bf16 autocast, as the model runs):
+// with a TiedGradient the head leaves its gradient to the embedding's backward, which adds its
+// rows to it; the weight gets the same gradient as from two separate ones (up to the order of
+// the float32 additions), and nothing stays pending.
+TEST(EmbeddingRows, TiedWithTheHeadGivesTheSummedGradient) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "the tied gradient is the CUDA path's";
+  torch::manual_seed(24);
+  const auto opts = torch::TensorOptions(torch::kFloat).device(torch::kCUDA);
+  const auto weight = (torch::randn({50, 16}, opts) * 0.5).requires_grad_(true);
+  const auto tokens = torch::randint(0, 50, {3, 40}, opts.dtype(torch::kLong));
+  const auto up = torch::randn({3, 40, 50}, opts);
+  const auto gradient = [&](bool tie) {
+    weight.mutable_grad().reset();
+    const auto tied = tie ? c10::make_intrusive<TiedGradient>() : c10::intrusive_ptr<TiedGradient>();
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    const auto x = EmbeddingRows(weight, tokens, tied);
+    const auto logits = ApplyWeight(torch::tanh(x), weight, tied);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    EXPECT_EQ(logits.scalar_type(), torch::kBFloat16);
+    (logits.to(torch::kFloat) * up).sum().backward();
+    if (tied) EXPECT_FALSE(tied->pending.defined()) << "the embedding took the head's gradient";
+    return weight.grad().clone();
+  };
+  const auto separate = gradient(false);
+  const auto tied = gradient(true);
+  EXPECT_GT(separate.abs().max().item<double>(), 0.1);
+  EXPECT_LT(MaxDiff(tied.cpu(), separate.cpu()), 1e-4);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <torch/autograd.h>
 
+#include <utility>
+
 namespace nsad {
 
 torch::Tensor SumRows(const torch::Tensor& g) {
@@ -39,30 +41,45 @@ namespace {
 
 struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& weight,
-                               const torch::Tensor& tokens) {
+                               const torch::Tensor& tokens, const c10::intrusive_ptr<TiedGradient>& tied) {
     ctx->save_for_backward({tokens});
     ctx->saved_data["vocab"] = weight.size(0);
+    if (tied) ctx->saved_data["tied"] = c10::IValue::make_capsule(tied);
     return at::embedding(weight, tokens);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto tokens = ctx->get_saved_variables()[0];
     const auto& g = grads[0];
-    const int64_t dim = g.size(-1);
-    auto dw = at::zeros({ctx->saved_data["vocab"].toInt(), dim}, g.options());
+    const int64_t dim = g.size(-1), vocab = ctx->saved_data["vocab"].toInt();
+    torch::Tensor dw;
+    if (ctx->saved_data.count("tied")) {  // the head's dW, where its backward left it
+      auto tied = c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tied"].toCapsule());
+      dw = std::exchange(tied->pending, torch::Tensor());
+    }
+    if (dw.defined()) {
+      TORCH_CHECK(dw.sizes() == at::IntArrayRef({vocab, dim}) && dw.scalar_type() == g.scalar_type(),
+                  "EmbeddingRows: the tied head's gradient ", dw.scalar_type(), " ", dw.sizes(),
+                  " does not fit the embedding's ", g.scalar_type(), " [", vocab, ", ", dim, "]");
+    } else {
+      dw = at::zeros({vocab, dim}, g.options());
+    }
     dw.index_add_(0, tokens.reshape({-1}), g.reshape({-1, dim}));
-    return {dw, torch::Tensor()};
+    return {dw, torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
-torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens) {
+bool EmbeddingRowsTakesTied(const torch::Tensor& weight) {
+  return weight.is_cuda() && weight.requires_grad() && torch::GradMode::is_enabled();
+}
+
+torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens,
+                            const c10::intrusive_ptr<TiedGradient>& tied) {
   TORCH_CHECK(weight.dim() == 2, "EmbeddingRows takes weight [V, D], got ", weight.sizes());
-  if (!weight.is_cuda() || !weight.requires_grad() || !torch::GradMode::is_enabled()) {
-    return at::embedding(weight, tokens);
-  }
-  return EmbeddingRowsFn::apply(weight, tokens);
+  if (!EmbeddingRowsTakesTied(weight)) return at::embedding(weight, tokens);
+  return EmbeddingRowsFn::apply(weight, tokens, tied);
 }
 
 }  // namespace nsad

@@ -17,11 +17,28 @@ torch::Tensor SumRows(const torch::Tensor& g);
 // of bf16 rows of 64 (the compression's chunks) ran at 0.55 TB/s element by element.
 void CopyInWords(torch::Tensor dst, const torch::Tensor& src);
 
+// The gradient of a weight that both the token embedding and the tied LM head read. The head's
+// backward runs first and, given one of these (ApplyWeight, model/shared_input_linear.h), leaves
+// its dW here instead of returning it; the embedding's backward (EmbeddingRows) adds its rows
+// into that dW and returns the sum. The weight then gets one gradient: no [V, D] zero fill for
+// the embedding's and no sum of the two [V, D] gradients by autograd (47 + 147 us per m7c batch
+// 16 step on an H100). Only for an embedding that runs EmbeddingRows' own node
+// (EmbeddingRowsTakesTied), which always runs after the head: nothing else would take the dW.
+class TiedGradient : public torch::CustomClassHolder {
+ public:
+  torch::Tensor pending;  // the head's dW, until the embedding's backward takes it
+};
+
 // at::embedding(weight, tokens): the rows of weight [V, D] the tokens name. On CUDA its
 // backward adds each gradient row into its token's row (index_add_, float atomics: the sums'
 // order, and so their last bits, vary from run to run): 0.19 ms for the m7c step's 32768
 // tokens on an H100, where PyTorch's embedding backward, which sorts the tokens, took about
-// 0.49 ms. Elsewhere PyTorch's own.
-torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens);
+// 0.49 ms; it adds them into tied->pending where the head left its gradient there. Elsewhere
+// PyTorch's own.
+torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens,
+                            const c10::intrusive_ptr<TiedGradient>& tied = {});
+// Whether EmbeddingRows(weight, ...) runs the node that takes a TiedGradient (CUDA, a weight
+// that needs a gradient, grad mode on).
+bool EmbeddingRowsTakesTied(const torch::Tensor& weight);
 
 }  // namespace nsad

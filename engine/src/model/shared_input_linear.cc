@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <numeric>
+#include <utility>
 
 #include "model/row_ops.h"
 #include "model/weight_copies.h"
@@ -62,7 +63,8 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                                 at::TensorList params, std::vector<int64_t> has_bias,
-                                                int64_t compute_dtype, bool split) {
+                                                int64_t compute_dtype, bool split,
+                                                const c10::intrusive_ptr<TiedGradient>& tied) {
     // The caller chose the GEMM's dtype (autocast's, as at::linear would); nothing in here
     // may be recast.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -97,6 +99,10 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["split"] = split;
+    if (tied) {
+      TORCH_CHECK(n == 1 && split, "SharedInputLinear: a TiedGradient takes one layer's weight gradient");
+      ctx->saved_data["tied"] = c10::IValue::make_capsule(tied);
+    }
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = joint.size(0);
     if (!split) return {out.view(out_sizes)};
@@ -116,8 +122,8 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     size_t biases = 0;
     for (const auto b : has_bias) biases += b != 0;
 
-    // dx, the weights, the biases, and nothing for has_bias, compute_dtype and split.
-    torch::autograd::variable_list out(1 + n + biases + 3);
+    // dx, the weights, the biases, and nothing for has_bias, compute_dtype, split and tied.
+    torch::autograd::variable_list out(1 + n + biases + 4);
     std::vector<int64_t> offset(n, 0), bias_slot(n, 0);
     for (size_t i = 1; i < n; ++i) offset[i] = offset[i - 1] + sizes[i - 1];
     for (size_t i = 0, b = 1 + n; i < n; ++i) bias_slot[i] = has_bias[i] ? b++ : 0;
@@ -160,6 +166,10 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
       out[1 + i] = WeightGradient(g, x2, param_dtype);
       if (has_bias[i]) out[bias_slot[i]] = SumRows(g).to(param_dtype);
     }
+    if (ctx->saved_data.count("tied")) {  // the tied embedding's backward adds to it and returns it
+      auto tied = c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tied"].toCapsule());
+      tied->pending = std::exchange(out[1], torch::Tensor());
+    }
     if (dx.defined()) out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
     return out;
   }
@@ -186,10 +196,11 @@ torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x
   return at::linear(x, layer->weight, layer->bias.defined() ? std::optional<at::Tensor>(layer->bias) : std::nullopt);
 }
 
-torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight) {
+torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::intrusive_ptr<TiedGradient>& tied) {
   if (!TakesOwnNode(x, weight)) return at::linear(x, weight);
   return SharedInputLinearFn::apply(x, at::TensorList(weight), std::vector<int64_t>{0},
-                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true)[0];
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true, tied)[0];
 }
 
 torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
@@ -202,7 +213,8 @@ torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
   }
   if (!TakesOwnNode(x, weights[0])) return at::linear(x, torch::cat(weights));
   return SharedInputLinearFn::apply(x, at::TensorList(weights), std::vector<int64_t>(weights.size(), 0),
-                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/false)[0];
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/false,
+                                    c10::intrusive_ptr<TiedGradient>())[0];
 }
 
 std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
@@ -219,7 +231,8 @@ std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
   }
   // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
   return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias,
-                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true);
+                                    static_cast<int64_t>(LinearComputeType(x)), /*split=*/true,
+                                    c10::intrusive_ptr<TiedGradient>());
 }
 
 }  // namespace nsad

@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "model/row_ops.h"
+
 namespace nsad {
 
 // layer(x) through at::linear, which adds the bias in the GEMM's epilogue (cuBLASLt) for
@@ -19,8 +21,11 @@ namespace nsad {
 // at::linear's is written in 16 bits and then cast by autocast's backward (one kernel per
 // weight, 4-117 us each for m7c at batch 16 on an H100).
 torch::Tensor ApplyLinear(const torch::nn::Linear& layer, const torch::Tensor& x);
-// x @ weight^T (no bias) the same way: the tied LM head.
-torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight);
+// x @ weight^T (no bias) the same way: the tied LM head. Given tied (model/row_ops.h), the
+// weight's gradient is left there for the tied embedding's backward instead of returned, where
+// this takes its own node (CUDA, 16-bit compute type, float32 weight; else tied stays unused).
+torch::Tensor ApplyWeight(const torch::Tensor& x, const torch::Tensor& weight,
+                          const c10::intrusive_ptr<TiedGradient>& tied = {});
 
 // The dtype at::linear computes in for input x: autocast's where it is on for x's device,
 // else x's own. For autograd nodes that run their GEMMs with autocast off.

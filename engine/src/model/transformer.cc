@@ -204,7 +204,10 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
     weight_copies_.Refresh(groups, *type);
     use_copies.emplace(&weight_copies_);
   }
-  auto x = EmbeddingRows(embed_->weight, tokens);
+  // The tied head's weight gradient goes to the embedding's backward, which adds its rows to it.
+  const auto tied = EmbeddingRowsTakesTied(embed_->weight) ? c10::make_intrusive<TiedGradient>()
+                                                            : c10::intrusive_ptr<TiedGradient>();
+  auto x = EmbeddingRows(embed_->weight, tokens, tied);
   torch::Tensor pending;  // the last block's MLP output, added together with the next norm
   int layer = 0;
   const bool checkpoint = activation_checkpointing_ && is_training() &&
@@ -224,7 +227,7 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
   const auto normed = AddPendingAndNorm(backend_, x, pending, final_norm_).second;
   // Logits stay in the matmul's dtype (bf16 under autocast): the loss takes them as they
   // are (nsa::CrossEntropyLoss), and a float32 copy is 6.6 GB at batch 16.
-  return ApplyWeight(normed, embed_->weight);
+  return ApplyWeight(normed, embed_->weight, tied);
 }
 
 torch::Tensor NsaTransformerImpl::last_gate_stats_tensor() const {
