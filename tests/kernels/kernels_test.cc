@@ -113,7 +113,9 @@ class KernelsTest : public testing::TestWithParam<Case> {
             torch::randn({kBatch, c.T, c.G, c.D}, Opts()), torch::randn({kBatch, c.T, c.H, c.D}, Opts())};
   }
 
-  void CheckSelectedAttention();
+  // Forward and gradients against the reference for block_idx (default: a selection of random
+  // importance); returns the kernels' {dq, dk, dv}.
+  std::vector<torch::Tensor> CheckSelectedAttention(torch::Tensor idx = {});
   void CheckCompressedAttention();
   void CheckSlidingWindow();
 
@@ -133,14 +135,16 @@ class KernelsTest : public testing::TestWithParam<Case> {
   Geometry geo_;
 };
 
-void KernelsTest::CheckSelectedAttention() {
+std::vector<torch::Tensor> KernelsTest::CheckSelectedAttention(torch::Tensor idx) {
   const Case c = GetParam();
   const int64_t NS = NumSlcBlocks(c.T, geo_);
   auto q = Random({kBatch, c.T, c.H, c.D});
   auto k = Random({kBatch, c.T, c.G, c.D});
   auto v = Random({kBatch, c.T, c.G, c.D});
-  const auto importance = torch::rand({kBatch, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
-  const auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  if (!idx.defined()) {
+    const auto importance = torch::rand({kBatch, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
+    idx = cuda::SelectBlocks(importance, c.T, geo_);
+  }
   const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
 
   Poison();
@@ -155,6 +159,7 @@ void KernelsTest::CheckSelectedAttention() {
   ExpectClose(q.grad(), q32.grad(), "dq");
   ExpectClose(k.grad(), k32.grad(), "dk");
   ExpectClose(v.grad(), v32.grad(), "dv");
+  return {q.grad(), k.grad(), v.grad()};
 }
 
 TEST_P(KernelsTest, SelectedAttentionForwardAndGradients) { CheckSelectedAttention(); }
@@ -289,25 +294,13 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
 // position here selects block 0 alone.
 TEST_P(KernelsTest, SelectedBackwardGivesZerosForBlocksNobodySelected) {
   const Case c = GetParam();
-  const int64_t NS = NumSlcBlocks(c.T, geo_);
-  auto q = Random({kBatch, c.T, c.H, c.D});
-  auto k = Random({kBatch, c.T, c.G, c.D});
-  auto v = Random({kBatch, c.T, c.G, c.D});
   auto idx = torch::full({kBatch, c.T, c.G, geo_.top_n}, -1, Opts().dtype(torch::kInt));
   idx.select(3, 0).fill_(0);
-  const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  Poison();
-  auto out = cuda::SelectedAttention(q, k, v, idx, geo_);
-  Poison();
-  out.backward(grad);
-  auto q32 = Upcast(q), k32 = Upcast(k), v32 = Upcast(v);
-  SelectedAttentionReference(q32, k32, v32, idx, geo_).backward(grad.to(torch::kFloat));
-  ExpectClose(k.grad(), k32.grad(), "dk");
-  ExpectClose(v.grad(), v32.grad(), "dv");
-  if (NS > 1) {
+  const auto grads = CheckSelectedAttention(idx);
+  if (NumSlcBlocks(c.T, geo_) > 1) {
     const int64_t rest = c.T - geo_.slc_block;
-    EXPECT_EQ(k.grad().narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0);
-    EXPECT_EQ(v.grad().narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(grads[1].narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0) << "dk";
+    EXPECT_EQ(grads[2].narrow(1, geo_.slc_block, rest).abs().max().item<double>(), 0.0) << "dv";
   }
 }
 
