@@ -135,9 +135,13 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto projected = SharedInputLinear(x, InputProjections());
   // The three ops that read the projection's parts (q, kv, the gate MLP's hidden layer) write
   // their gradients into one buffer where their fused backwards run, so that the projection's
-  // backward is one dx GEMM and one dW GEMM (nsa/shared_gradient.h). The reference ops ignore it.
+  // backward is one dx GEMM and one dW GEMM (nsa/shared_gradient.h). Only in a 16-bit compute
+  // type, where all three take their fused paths (AttendAndMix's needs it): a part that no op
+  // takes would keep the whole buffer alive until the graph is freed.
   std::vector<GradientPart> grad_parts(projected.size());
-  if (backend_ == AttentionBackend::kCuda && projected[0].requires_grad()) {
+  const auto compute_type = projected[0].scalar_type();
+  if (backend_ == AttentionBackend::kCuda && projected[0].requires_grad() &&
+      (compute_type == torch::kBFloat16 || compute_type == torch::kHalf)) {
     grad_parts = SharedGradientParts(projected);
   }
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into

@@ -21,7 +21,9 @@ namespace nsad::nsa {
 // The buffer [rows, sum of widths] and the parts' column offsets. Allocated when the first
 // part is handed out (in the backward, on the stream it runs on: it lives only as long as the
 // gradients do, not from the forward on); once every part is handed out this holder lets go of
-// it, so the slices alone keep it alive. A second backward (retain_graph) gets a new buffer.
+// it, so the slices alone keep it alive (a part never asked for leaves it with the holder, until
+// the graph's nodes that hold the holder are freed: give parts only to ops that will take them).
+// A second backward (retain_graph) gets a new buffer.
 class SharedGradient : public torch::CustomClassHolder {
  public:
   SharedGradient(int64_t rows, std::vector<int64_t> widths, torch::TensorOptions options)
