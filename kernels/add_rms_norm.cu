@@ -217,10 +217,11 @@ void CheckRows(const at::Tensor& t, const char* name, int64_t C) {
               " must be a contiguous CUDA tensor [.., ", C, "], got ", t.sizes());
 }
 
-// 4 channels per access when C and every pointer allow it, else 1.
+// 4 channels per access when C and every pointer allow it, else 1. An undefined tensor (no y,
+// no ds_in, no dy) has no pointer to check.
 bool RowsTakeVectors(int64_t C, std::initializer_list<const at::Tensor*> ts) {
   bool ok = C % 4 == 0;
-  for (const auto* t : ts) ok = ok && AlignedFor(*t, 4);
+  for (const auto* t : ts) ok = ok && (!t->defined() || AlignedFor(*t, 4));
   return ok;
 }
 
@@ -262,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tenso
     };
     const auto launch_for = [&](auto y_in) {
       constexpr bool kYIn = decltype(y_in)::value;
-      if (RowsTakeVectors(C, {&x, &w, &h}) && (!kYIn || RowsTakeVectors(C, {&y, &s}))) {
+      if (RowsTakeVectors(C, {&x, &y, &w, &s, &h})) {
         launch(AddRmsNormForwardKernel<scalar_t, 4, kYIn>);
       } else {
         launch(AddRmsNormForwardKernel<scalar_t, 1, kYIn>);
@@ -311,9 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     // kDsIn and kDyOut as (true, true), (false, true) or (true, false).
     const auto launch_for = [&](auto ds_in_read, auto dy_out) {
       constexpr bool kDsIn = decltype(ds_in_read)::value, kDyOut = decltype(dy_out)::value;
-      const bool ds_aligned = !kDsIn || AlignedFor(ds_prev, 4);
-      const bool dy_aligned = !kDyOut || AlignedFor(dy, 4);
-      if (ds_aligned && dy_aligned && RowsTakeVectors(C, {&dh, &s, &w, &ds})) {
+      if (RowsTakeVectors(C, {&ds_prev, &dh, &s, &w, &ds, &dy})) {
         if (C <= 32 * 4 * kBackwardRegisterIters) {
           launch(AddRmsNormBackwardRegistersKernel<scalar_t, 4, kBackwardRegisterIters, kDsIn, kDyOut>);
         } else {

@@ -37,6 +37,16 @@ void CopyInWords(torch::Tensor dst, const torch::Tensor& src) {
   }
 }
 
+void TiedGradient::Save(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<TiedGradient>& tied) {
+  if (tied) ctx->saved_data["tied"] = c10::IValue::make_capsule(tied);
+}
+
+c10::intrusive_ptr<TiedGradient> TiedGradient::Saved(torch::autograd::AutogradContext* ctx) {
+  const auto it = ctx->saved_data.find("tied");
+  if (it == ctx->saved_data.end()) return {};
+  return c10::static_intrusive_pointer_cast<TiedGradient>(it->second.toCapsule());
+}
+
 namespace {
 
 struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
@@ -44,7 +54,7 @@ struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
                                const torch::Tensor& tokens, const c10::intrusive_ptr<TiedGradient>& tied) {
     ctx->save_for_backward({tokens});
     ctx->saved_data["vocab"] = weight.size(0);
-    if (tied) ctx->saved_data["tied"] = c10::IValue::make_capsule(tied);
+    TiedGradient::Save(ctx, tied);
     return at::embedding(weight, tokens);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -52,11 +62,8 @@ struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
     const auto tokens = ctx->get_saved_variables()[0];
     const auto& g = grads[0];
     const int64_t dim = g.size(-1), vocab = ctx->saved_data["vocab"].toInt();
-    torch::Tensor dw;
-    if (ctx->saved_data.count("tied")) {  // the head's dW, where its backward left it
-      auto tied = c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tied"].toCapsule());
-      dw = std::exchange(tied->pending, torch::Tensor());
-    }
+    torch::Tensor dw;  // the tied head's, where its backward left it
+    if (const auto tied = TiedGradient::Saved(ctx)) dw = std::exchange(tied->pending, torch::Tensor());
     if (dw.defined()) {
       TORCH_CHECK(dw.sizes() == at::IntArrayRef({vocab, dim}) && dw.scalar_type() == g.scalar_type(),
                   "EmbeddingRows: the tied head's gradient ", dw.scalar_type(), " ", dw.sizes(),

@@ -27,6 +27,11 @@ void CopyInWords(torch::Tensor dst, const torch::Tensor& src);
 class TiedGradient : public torch::CustomClassHolder {
  public:
   torch::Tensor pending;  // the head's dW, until the embedding's backward takes it
+
+  // Kept in an autograd node's saved data (nothing for a null one), and found there again
+  // (null where none was saved).
+  static void Save(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<TiedGradient>& tied);
+  static c10::intrusive_ptr<TiedGradient> Saved(torch::autograd::AutogradContext* ctx);
 };
 
 // at::embedding(weight, tokens): the rows of weight [V, D] the tokens name. On CUDA its

@@ -101,7 +101,7 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
     ctx->saved_data["split"] = split;
     if (tied) {
       TORCH_CHECK(n == 1 && split, "SharedInputLinear: a TiedGradient takes one layer's weight gradient");
-      ctx->saved_data["tied"] = c10::IValue::make_capsule(tied);
+      TiedGradient::Save(ctx, tied);
     }
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = joint.size(0);
@@ -166,10 +166,8 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
       out[1 + i] = WeightGradient(g, x2, param_dtype);
       if (has_bias[i]) out[bias_slot[i]] = SumRows(g).to(param_dtype);
     }
-    if (ctx->saved_data.count("tied")) {  // the tied embedding's backward adds to it and returns it
-      auto tied = c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tied"].toCapsule());
-      tied->pending = std::exchange(out[1], torch::Tensor());
-    }
+    // The tied embedding's backward adds its rows to the weight's gradient and returns it.
+    if (const auto tied = TiedGradient::Saved(ctx)) tied->pending = std::exchange(out[1], torch::Tensor());
     if (dx.defined()) out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
     return out;
   }
