@@ -22,7 +22,7 @@ namespace nsad::nsa::cuda::detail {
 // bounds of SelectedKernelChoice::queries_per_item and WindowKernelChoice::queries_per_item,
 // and the kernels' compile-time sizes.
 constexpr int kMaxSelectedQueriesPerItem = 512;
-constexpr int kMaxWindowQueriesPerItem = 320;
+constexpr int kMaxWindowQueriesPerItem = 640;  // all of a block's positions for windows up to 577
 
 struct SelectedKernelChoice {
   // Forward and dQ on tensor cores (bf16/fp16 inputs): per position, the group's heads as
@@ -112,7 +112,8 @@ struct WindowKernelChoice {
   Forward forward = Forward::kAuto;
   Backward backward = Backward::kAuto;
   // kWgmma backward: positions per work item (a 64-key block's slice of the positions that
-  // attend it); 0 is the measured default, else 1..kMaxWindowQueriesPerItem.
+  // attend it); 0 is the default (all of them where they fit kMaxWindowQueriesPerItem, else
+  // 128), else 1..kMaxWindowQueriesPerItem.
   int queries_per_item = 0;
 };
 

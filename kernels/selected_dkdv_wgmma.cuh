@@ -24,7 +24,10 @@
 // copy serves both orientations; at D = 128 a row's two 64-column halves sit in two such
 // tiles: S^T and dP^T contract over both, dK, dV and dQ have one accumulator tile per half.
 // dK/dV stay in registers over the whole slice and are added into float32 buffers once per
-// work item, as before; every float32 add is a 16-byte atomic (AtomicAddRowQuads).
+// work item, as before; every float32 add is a 16-byte atomic (AtomicAddRowQuads). Where a
+// work item holds every query of its key block (the window's default split), the policy
+// carries dk_out/dv_out and the item writes its rows rounded (CanStoreRows, StoreRowQuads): no
+// zeroed float32 buffers, no atomics, no rounding pass after.
 #pragma once
 
 #include <climits>
@@ -107,6 +110,38 @@ __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8
     const float4 quad = odd ? make_float4(x0 * mul, x1 * mul, b0 * mul, b1 * mul)
                             : make_float4(a0 * mul, a1 * mul, x0 * mul, x1 * mul);
     atomicAdd(quads + 4 * i, quad);
+  }
+}
+
+// Whether a policy's work items may write their dK/dV rows rounded (StoreRowQuads) instead of
+// adding them into float32 buffers: one whose work items can hold every query of their key
+// block carries dk_out/dv_out, non-null where they do.
+template <typename KeyPolicy, typename = void>
+struct CanStoreRows : std::false_type {};
+template <typename KeyPolicy>
+struct CanStoreRows<KeyPolicy, std::void_t<decltype(KeyPolicy::dk_out), decltype(KeyPolicy::dv_out)>>
+    : std::true_type {};
+
+// Writes half `h` of a warp's m64n64 accumulator rows, times mul, rounded to scalar_t, into a
+// row of 64 columns: the quads of AtomicAddRowQuads, each one 8-byte store. For a work item
+// that holds every query of its key block (nothing else adds to these rows).
+template <typename scalar_t>
+__device__ __forceinline__ void StoreRowQuads(scalar_t* row, const float (&d)[8][4], int h, float mul, bool store,
+                                              int lane) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const int c = lane & 3;
+  const bool odd = c & 1;
+  uint2* const quads = reinterpret_cast<uint2*>(row + 8 * odd + 4 * (c >> 1));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a0 = d[2 * i][2 * h], a1 = d[2 * i][2 * h + 1];
+    const float b0 = d[2 * i + 1][2 * h], b1 = d[2 * i + 1][2 * h + 1];
+    const float x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+    const float x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+    if (!store) continue;
+    const uint2 quad = odd ? make_uint2(mma::Pack<kBf16>(x0 * mul, x1 * mul), mma::Pack<kBf16>(b0 * mul, b1 * mul))
+                           : make_uint2(mma::Pack<kBf16>(a0 * mul, a1 * mul), mma::Pack<kBf16>(x0 * mul, x1 * mul));
+    quads[4 * i] = quad;
   }
 }
 
@@ -348,11 +383,14 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
       mma::PackA<kBf16>(dsf[kk], ds[0], ds[1]);
     }
   };
-  // Rows of a step are in position order, so a whole step of rows (every row valid) sees the
-  // whole block (all 64 keys) where its first and last positions do.
+  // Rows of a step are in position order, except where an item's positions wrap around (the
+  // window's in-phase order, WindowKeyPolicy::Query), so a whole step of rows (every row
+  // valid) whose first position is not after its last sees the whole block (all 64 keys)
+  // where those two positions do.
   const auto probabilities_of_step = [&](const float4* m, int r0) {
-    const bool whole = w.keys.count == 64 && r0 + kR <= total &&
-                       pol.AllowsAll(__float_as_int(m[0].z), __float_as_int(m[kR - 1].z), w.keys);
+    const int t_first = __float_as_int(m[0].z), t_last = __float_as_int(m[kR - 1].z);
+    const bool whole =
+        w.keys.count == 64 && r0 + kR <= total && t_first <= t_last && pol.AllowsAll(t_first, t_last, w.keys);
     if (whole) {
       probabilities(m, std::false_type{});
     } else {
@@ -465,6 +503,13 @@ __global__ void __launch_bounds__(Cfg<D, kMaxQueries>::kThreads, Cfg<D, kMaxQuer
     const int64_t off = ok ? KeyOffset(s, w.b, w.keys.start + kr, w.g) : 0;
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
+      if constexpr (CanStoreRows<KeyPolicy>::value) {
+        if (pol.dk_out != nullptr) {
+          StoreRowQuads(static_cast<scalar_t*>(pol.dk_out) + off + 64 * h, dk[h], half, scale, ok, lane);
+          StoreRowQuads(static_cast<scalar_t*>(pol.dv_out) + off + 64 * h, dv[h], half, 1.f, ok, lane);
+          continue;
+        }
+      }
       AtomicAddRowQuads(dk_acc + off + 64 * h, dk[h], half, scale, ok, lane);
       AtomicAddRowQuads(dv_acc + off + 64 * h, dv[h], half, 1.f, ok, lane);
     }

@@ -972,27 +972,43 @@ TEST_P(KernelsTest, WindowBackwardRefusesAMisalignedDqSum) {
 }
 
 // The warpgroup-MMA window backward with other slices of a key block's positions per work
-// item: one position (a slice per position, every dK/dV row added from many CTAs), 24, and
-// the most a CTA holds (320: one or two slices per block); out of range fails the call.
+// item: one position (a slice per position, every dK/dV row added from many CTAs), 24, 320
+// (two slices of the window of 512's 575 positions) and the most a CTA holds (one slice per
+// block, its dK/dV rows written rounded); out of range fails the call.
 TEST_P(KernelsTest, WgmmaWindowBackwardAnyPositionsPerItem) {
   using Win = cuda::detail::WindowKernelChoice;
+  constexpr int kMost = cuda::detail::kMaxWindowQueriesPerItem;
   const Case c = GetParam();
   if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
-  for (const int per_item : {1, 24, 320}) {
+  for (const int per_item : {1, 24, 320, kMost}) {
     SCOPED_TRACE(std::to_string(per_item) + " positions per item");
     const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma, per_item});
     CheckSlidingWindow();
   }
-  const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma, 321});
+  const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kAuto, Win::Backward::kWgmma, kMost + 1});
   const auto q = Random({1, c.T, c.H, c.D});
   const auto kv = Random({1, c.T, c.G, c.D});
   auto out = cuda::SlidingWindowAttention(q, kv, kv, geo_);
   try {
     out.backward(torch::ones_like(out));
-    ADD_FAILURE() << "a backward with 321 positions per item ran";
+    ADD_FAILURE() << "a backward with " << kMost + 1 << " positions per item ran";
   } catch (const std::exception& e) {  // rethrown by the autograd engine
     EXPECT_NE(std::string(e.what()).find("queries_per_item"), std::string::npos) << e.what();
   }
+}
+
+// The default split takes all of a key block's positions in one work item, which writes the
+// block's dK/dV rounded (no float32 sums): above for windows whose blocks fit an item (64 and
+// 512, shorter sequences). A window whose blocks have more positions than an item holds falls
+// back to slices of 128 whose dK/dV are added in float32; here it must give the same
+// gradients.
+TEST_P(KernelsTest, WgmmaWindowBackwardWithMorePositionsPerBlockThanAnItemHolds) {
+  constexpr int kMost = cuda::detail::kMaxWindowQueriesPerItem;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat || !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "sm_90, bf16/fp16 only";
+  if (c.T <= kMost) GTEST_SKIP() << "every block's positions fit one item at T = " << c.T;
+  geo_.window = kMost;  // a block's keys are attended by kMost + 63 positions
+  CheckSlidingWindow();
 }
 
 // The warpgroup-MMA window backward takes bf16/fp16 on an sm_90 device: forcing it elsewhere
