@@ -23,7 +23,7 @@ targets="nsad nsad-worker nsactl trainer_test daemon_test"
 if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
          -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
        timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
-  tail -30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
+  tail -n 30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
 fi
 grep -E "c10d NCCL" "$logs/configure.log"
 
