@@ -12,6 +12,8 @@
 #include <tuple>
 #include <vector>
 
+#include "nsa/part_chunks.h"
+
 namespace nsad::nsa::cuda::detail {
 
 // Parts one RoPE call takes (the module uses 1 for q and the compressed keys, 6 for the
@@ -20,18 +22,21 @@ constexpr int kMaxRopeParts = 8;
 
 // RoPE of x [B,T,P,M,D] (any strides, unit stride in D) by the angles of position t:
 // cos, sin [T, D/2] float32. Returns P contiguous tensors [B,T,M,D]: part p = x[:,:,p],
-// rotated when bit p of rotate_mask is set, else copied.
+// rotated when bit p of rotate_mask is set, else copied. Parts in `chunks` come out in its
+// chunk layout instead: part p is stack[p - first], and the stack [count,B,chunks,M,len,D]
+// is returned after the P parts.
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
-                                    const at::Tensor& sin, uint32_t rotate_mask);
+                                    const at::Tensor& sin, uint32_t rotate_mask, const PartChunks& chunks = {});
 // The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
 // forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype, or in dx_type from float32
 // gradients (a float32 sum rounded once, on the way). Given dx_out ([B,T,P,M,D] of that
 // dtype, any strides with unit stride in D: a slice of a SharedGradient), written there and
-// returned.
+// returned. The gradients of parts in `chunks` come in its chunk layout [B,chunks,M,len,D];
+// dx at the positions the chunks leave out is zero for them.
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& cos,
                         const at::Tensor& sin, uint32_t rotate_mask,
                         std::optional<at::ScalarType> dx_type = std::nullopt,
-                        const at::Tensor& dx_out = {});
+                        const at::Tensor& dx_out = {}, const PartChunks& chunks = {});
 // The most local memory (bytes per thread) any RoPE kernel instance uses: none is expected.
 // Where one spills or indexes an array at run time, its threads go through local memory for
 // every row (see PartPointer in rope.cu).

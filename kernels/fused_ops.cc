@@ -12,16 +12,28 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::tensor_list;
 
+// Outputs: the parts outside `chunks`, in order, then (with chunks) their stack in the chunk
+// layout, which autograd sees as one tensor (its parts as views of it would each get a
+// select's backward: a zero fill and a copy).
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x,
                              const torch::Tensor& cos, const torch::Tensor& sin,
-                             int64_t rotate_mask, const GradientPart& dx) {
+                             int64_t rotate_mask, const GradientPart& dx, std::vector<int64_t> chunk_spec) {
     RECORD_FUNCTION("nsa::rope_forward", std::vector<c10::IValue>());
+    const PartChunks chunks = ChunksFrom(chunk_spec);
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["rotate_mask"] = rotate_mask;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["dx"] = dx.ToSaved();
-    return detail::RopeForward(x, cos, sin, static_cast<uint32_t>(rotate_mask));
+    ctx->saved_data["chunks"] = chunk_spec;
+    auto parts = detail::RopeForward(x, cos, sin, static_cast<uint32_t>(rotate_mask), chunks);
+    if (!chunks.Any()) return parts;
+    tensor_list outs;
+    for (int64_t p = 0; p < x.size(2); ++p) {
+      if (!chunks.Holds(p)) outs.push_back(parts[p]);
+    }
+    outs.push_back(parts.back());
+    return outs;
   }
   // Parts whose output the loss does not use get zero gradients (autograd materialises
   // them), so the kernel always sees P gradients.
@@ -29,9 +41,25 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
     RECORD_FUNCTION("nsa::rope_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     const auto mask = static_cast<uint32_t>(ctx->saved_data["rotate_mask"].toInt());
-    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(ctx->saved_data["x_sizes"].toIntVector());
-    return {detail::RopeBackward(grads, s[0], s[1], mask, std::nullopt, dx), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const PartChunks chunks = ChunksFrom(ctx->saved_data["chunks"].toIntVector());
+    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(x_sizes);
+    tensor_list part_grads;
+    for (int64_t p = 0, plain = 0; p < x_sizes[2]; ++p) {
+      part_grads.push_back(chunks.Holds(p) ? grads.back()[p - chunks.first] : grads[plain++]);
+    }
+    return {detail::RopeBackward(part_grads, s[0], s[1], mask, std::nullopt, dx, chunks),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
+  }
+
+  // The chunk layout as autograd's saved data takes it: {first, count, len, chunks}.
+  static std::vector<int64_t> ChunkSpec(const PartChunks& c) { return {c.first, c.count, c.len, c.chunks}; }
+  static PartChunks ChunksFrom(const std::vector<int64_t>& v) {
+    return {static_cast<int>(v[0]), static_cast<int>(v[1]), v[2], v[3]};
   }
 };
 
@@ -186,8 +214,8 @@ bool FusedOpsTake(const torch::Tensor& t) {
 }
 
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin,
-                                          const std::vector<bool>& rotate, const GradientPart& dx) {
+                                          const torch::Tensor& sin, const std::vector<bool>& rotate,
+                                          const GradientPart& dx, const PartChunks& chunks) {
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "rotate must name each of the ",
               x.size(2), " parts, got ", rotate.size());
@@ -195,7 +223,13 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
   for (size_t p = 0; p < rotate.size(); ++p) mask |= rotate[p] ? int64_t{1} << p : 0;
   // The kernel reads any row layout but needs the pairs of a row in unit stride.
   const auto input = x.stride(4) == 1 ? x : x.contiguous();
-  return RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask, dx);
+  auto outs = RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask, dx, RopeFn::ChunkSpec(chunks));
+  if (!chunks.Any()) return outs;
+  // P parts (undefined where chunked), then the stack.
+  std::vector<torch::Tensor> parts;
+  for (int64_t p = 0, plain = 0; p < x.size(2); ++p) parts.push_back(chunks.Holds(p) ? torch::Tensor() : outs[plain++]);
+  parts.push_back(outs.back());
+  return parts;
 }
 
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,

@@ -11,6 +11,7 @@
 
 #include <vector>
 
+#include "nsa/part_chunks.h"
 #include "nsa/shared_gradient.h"
 
 namespace nsad::nsa::cuda {
@@ -23,10 +24,12 @@ bool FusedOpsTake(const torch::Tensor& t);
 // (cos, sin [T, D/2] float32, a RopeTable) when rotate[p], else copied. Differentiable
 // w.r.t. x, whose gradient comes back as one contiguous tensor. A rotated part equals
 // ApplyRope(x[:,:,p], table) up to the rounding of the result to x's dtype. Given dx (x's
-// part of a SharedGradient), the gradient is written there instead.
+// part of a SharedGradient), the gradient is written there instead. With chunks, the parts
+// it names come out as one tensor in its chunk layout (nsa/part_chunks.h), returned after the
+// P parts, whose entries for those parts are undefined.
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
-                                          const torch::Tensor& sin,
-                                          const std::vector<bool>& rotate, const GradientPart& dx = {});
+                                          const torch::Tensor& sin, const std::vector<bool>& rotate,
+                                          const GradientPart& dx = {}, const PartChunks& chunks = {});
 
 // gates [B,T,H,3]; o_cmp, o_slc, o_win [B,T,H,D], one dtype ->
 // gates[...,0] * o_cmp + gates[...,1] * o_slc + gates[...,2] * o_win, differentiable w.r.t.

@@ -43,6 +43,10 @@ struct RopeGeometry {
   int64_t stride_b, stride_t, stride_p, stride_m;  // strides of x (elements)
   int T, P, M, half;
   uint32_t rotate_mask;  // bit p: part p is rotated (else copied)
+  // Bit p: part p lies in the chunk layout (PartChunks): [B, chunks, M, chunk_len, D] from its
+  // pointer, positions from chunks * chunk_len on left out.
+  uint32_t chunk_mask = 0;
+  int chunk_len = 1, chunks = 0;
 };
 
 // Work item i = kVec consecutive pairs (j0 .. j0 + kVec - 1) of row (b, t, p, m), rows in
@@ -66,6 +70,16 @@ __device__ __forceinline__ RowChunk SplitChunk(uint32_t i, const RopeGeometry& g
   c.t = static_cast<int>(r % g.T);
   c.b = static_cast<int>(r / g.T);
   return c;
+}
+
+// Where row r of part r.p starts in the part's own tensor: [B,T,M,D], or the chunk layout
+// [B, chunks, M, chunk_len, D] (-1 for a position the chunks leave out).
+__device__ __forceinline__ int64_t PartRowOffset(const RowChunk& r, const RopeGeometry& g) {
+  const int D = 2 * g.half;
+  if (!((g.chunk_mask >> r.p) & 1u)) return ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * D;
+  const int c = r.t / g.chunk_len, j = r.t - c * g.chunk_len;
+  if (c >= g.chunks) return -1;
+  return (((static_cast<int64_t>(r.b) * g.chunks + c) * g.M + r.m) * g.chunk_len + j) * D;
 }
 
 // kVec cos and sin values of position t from pair j0.
@@ -131,9 +145,10 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t step = gridDim.x * kThreads;
   for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
     const RowChunk r = SplitChunk<kVec>(i, g);
+    const int64_t row = PartRowOffset(r, g);
+    if (row < 0) continue;  // a position the chunks leave out
     const scalar_t* in = x + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
-    scalar_t* o = PartPointer(out, r.p) + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
-    RotateOrCopyChunk<scalar_t, scalar_t, kVec>(in, o, cos, sin, r, g, 1.f);
+    RotateOrCopyChunk<scalar_t, scalar_t, kVec>(in, PartPointer(out, r.p) + row, cos, sin, r, g, 1.f);
   }
 }
 
@@ -146,10 +161,18 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t step = gridDim.x * kThreads;
   for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < items; i += step) {
     const RowChunk r = SplitChunk<kVec>(i, g);
-    const grad_t* gp =
-        PartPointer(grads, r.p) + ((static_cast<int64_t>(r.b) * g.T + r.t) * g.M + r.m) * (2 * g.half);
+    const int64_t row = PartRowOffset(r, g);
     scalar_t* out = dx + r.b * g.stride_b + r.t * g.stride_t + r.p * g.stride_p + r.m * g.stride_m;
-    RotateOrCopyChunk<grad_t, scalar_t, kVec>(gp, out, cos, sin, r, g, -1.f);
+    if (row < 0) {  // a position the chunks leave out: nothing depended on it
+      using Vec = Packed<scalar_t, kVec>;
+      Vec zero;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) zero.v[k] = static_cast<scalar_t>(0.f);
+      *reinterpret_cast<Vec*>(out + r.j0) = zero;
+      *reinterpret_cast<Vec*>(out + r.j0 + g.half) = zero;
+      continue;
+    }
+    RotateOrCopyChunk<grad_t, scalar_t, kVec>(PartPointer(grads, r.p) + row, out, cos, sin, r, g, -1.f);
   }
 }
 
@@ -187,10 +210,28 @@ void CheckTable(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t
               "rope table ", cos.sizes(), " does not fit ", T, " positions and D/2 = ", half);
 }
 
+// The chunk layout's parts, checked against x's P parts and T positions, as kernel bits.
+uint32_t ChunkMask(const PartChunks& chunks, int64_t P, int64_t T) {
+  if (!chunks.Any()) return 0;
+  TORCH_CHECK(chunks.first >= 0 && chunks.count > 0 && chunks.first + chunks.count <= P,
+              "RoPE chunk layout: parts [", chunks.first, ", ", chunks.first + chunks.count, ") of ", P);
+  TORCH_CHECK(chunks.len > 0 && chunks.chunks >= 0 && chunks.chunks * chunks.len <= T && chunks.len <= INT32_MAX,
+              "RoPE chunk layout: ", chunks.chunks, " chunks of ", chunks.len, " positions do not fit ", T);
+  return ((1u << chunks.count) - 1u) << chunks.first;
+}
+
+void SetChunks(RopeGeometry& g, const PartChunks& chunks) {
+  g.chunk_mask = ChunkMask(chunks, g.P, g.T);
+  if (g.chunk_mask) {
+    g.chunk_len = static_cast<int>(chunks.len);
+    g.chunks = static_cast<int>(chunks.chunks);
+  }
+}
+
 }  // namespace
 
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
-                                    const at::Tensor& sin, uint32_t rotate_mask) {
+                                    const at::Tensor& sin, uint32_t rotate_mask, const PartChunks& chunks) {
   TORCH_CHECK(x.is_cuda(), "x must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(x.stride(4) == 1, "x must have unit stride in its last dim");
@@ -198,14 +239,21 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
   TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
   TORCH_CHECK(P >= 1 && P <= kMaxRopeParts, "RoPE takes 1..", kMaxRopeParts, " parts, got ", P);
   CheckTable(cos, sin, T, D / 2, x.device());
+  ChunkMask(chunks, P, T);
+  at::Tensor stack;
+  if (chunks.Any()) stack = at::empty({chunks.count, B, chunks.chunks, M, chunks.len, D}, x.options());
   std::vector<at::Tensor> outs;
-  for (int64_t p = 0; p < P; ++p) outs.push_back(at::empty({B, T, M, D}, x.options()));
+  for (int64_t p = 0; p < P; ++p) {
+    outs.push_back(chunks.Holds(p) ? stack[p - chunks.first] : at::empty({B, T, M, D}, x.options()));
+  }
+  if (chunks.Any()) outs.push_back(stack);
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return outs;
   TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
-  const RopeGeometry g{x.stride(0),         x.stride(1),         x.stride(2),
-                       x.stride(3),         static_cast<int>(T), static_cast<int>(P),
-                       static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
+  RopeGeometry g{x.stride(0),         x.stride(1),         x.stride(2),
+                 x.stride(3),         static_cast<int>(T), static_cast<int>(P),
+                 static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
+  SetChunks(g, chunks);
   NSA_DISPATCH_TYPES(x.scalar_type(), "nsa_rope_forward", [&] {
     PartPtrs<scalar_t> ptrs{};
     std::vector<const scalar_t*> all = {x.data_ptr<scalar_t>()};
@@ -222,18 +270,26 @@ std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
 
 at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tensor& cos,
                         const at::Tensor& sin, uint32_t rotate_mask, std::optional<at::ScalarType> dx_type,
-                        const at::Tensor& dx_out) {
+                        const at::Tensor& dx_out, const PartChunks& chunks) {
   const int64_t P = static_cast<int64_t>(grads_in.size());
   TORCH_CHECK(P >= 1 && P <= kMaxRopeParts, "RoPE takes 1..", kMaxRopeParts, " parts, got ", P);
+  TORCH_CHECK(!chunks.Any() || chunks.count < P, "RoPE backward: at least one part must be [B,T,M,D]");
+  // The shape [B,T,M,D] from a part outside the chunk layout; chunked parts are checked
+  // against it below.
+  const int64_t plain = chunks.Holds(0) ? chunks.first + chunks.count : 0;
+  const auto& ref = grads_in[plain];
+  TORCH_CHECK(ref.is_cuda() && ref.dim() == 4, "rope gradients must be CUDA [B,T,M,D], got ", ref.sizes());
+  const int64_t B = ref.size(0), T = ref.size(1), M = ref.size(2), D = ref.size(3);
   std::vector<at::Tensor> grads;
-  for (const auto& g : grads_in) {
-    TORCH_CHECK(g.is_cuda() && g.dim() == 4 && g.sizes() == grads_in[0].sizes() &&
-                    g.scalar_type() == grads_in[0].scalar_type(),
-                "rope gradients must be CUDA [B,T,M,D] of one shape and dtype");
+  for (int64_t p = 0; p < P; ++p) {
+    const auto& g = grads_in[p];
+    const bool chunked = chunks.Holds(p);
+    const auto want = chunked ? std::vector<int64_t>{B, chunks.chunks, M, chunks.len, D} : ref.sizes().vec();
+    TORCH_CHECK(g.is_cuda() && g.sizes() == at::IntArrayRef(want) && g.scalar_type() == ref.scalar_type(),
+                "rope gradients must be CUDA tensors of one dtype, [B,T,M,D] (or [B,chunks,M,len,D] in the "
+                "chunk layout); part ", p, " is ", g.sizes(), ", want ", at::IntArrayRef(want));
     grads.push_back(g.contiguous());
   }
-  const int64_t B = grads[0].size(0), T = grads[0].size(1), M = grads[0].size(2),
-                D = grads[0].size(3);
   TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
   CheckTable(cos, sin, T, D / 2, grads[0].device());
   const auto out_type = dx_type.value_or(grads[0].scalar_type());
@@ -248,9 +304,10 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
   const int64_t pairs = B * T * P * M * (D / 2);
   if (pairs == 0) return dx;
   TORCH_CHECK(pairs <= INT32_MAX, "RoPE: too many elements in one call (", 2 * pairs, ")");
-  const RopeGeometry g{dx.stride(0),        dx.stride(1),        dx.stride(2),
-                       dx.stride(3),        static_cast<int>(T), static_cast<int>(P),
-                       static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
+  RopeGeometry g{dx.stride(0),        dx.stride(1),        dx.stride(2),
+                 dx.stride(3),        static_cast<int>(T), static_cast<int>(P),
+                 static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
+  SetChunks(g, chunks);
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
     const auto launch = [&](auto grad_type) {
       using grad_t = decltype(grad_type);

@@ -141,6 +141,43 @@ TEST_P(FusedOpsTest, SplitOfTheKvProjectionWithRopeOnTwoPartsMatchesTheReference
   CheckRope(kv.view({c.B, c.T, 6, G, c.D}), Table(c.T), rotate, 4);  // the rest get zeros
 }
 
+// The kv split as the CUDA backend's module runs it: the compression's two parts (0, 1) come
+// out as one tensor of their chunks of 16 positions (nsa/part_chunks.h), every case's T
+// leaving positions past the last chunk. The chunks hold exactly the plain split's values;
+// the other parts are unchanged; and given the plain gradients in the chunk layout (zero past
+// the chunks, which nothing reads), the gradient of x is exactly the plain one.
+TEST_P(FusedOpsTest, SplitOfTheKvProjectionWritesTheCompressionsPartsAsChunks) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4), len = 16, chunks = c.T / len;
+  const auto kv = torch::randn({c.B, c.T, 6 * G * c.D}, Opts()).requires_grad_(true);
+  const auto x = kv.view({c.B, c.T, 6, G, c.D});
+  const auto table = Table(c.T);
+  const std::vector<bool> rotate = {false, false, true, false, true, false};
+  const auto as_chunks = [&](const torch::Tensor& t) {
+    return t.narrow(1, 0, chunks * len).view({c.B, chunks, len, G, c.D}).permute({0, 1, 3, 2, 4});
+  };
+  const auto plain = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
+  Poison();
+  const auto parts = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, {}, PartChunks{0, 2, len, chunks});
+  ASSERT_EQ(parts.size(), 7u);
+  EXPECT_FALSE(parts[0].defined());
+  EXPECT_FALSE(parts[1].defined());
+  const auto& stack = parts.back();
+  ASSERT_EQ(stack.sizes(), (std::vector<int64_t>{2, c.B, chunks, G, len, c.D}));
+  EXPECT_TRUE(stack.is_contiguous());
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(torch::equal(stack[i], as_chunks(plain[i]))) << "part " << i;
+  for (int p = 2; p < 6; ++p) EXPECT_TRUE(torch::equal(parts[p], plain[p])) << "part " << p;
+
+  std::vector<torch::Tensor> w;
+  for (int p = 0; p < 6; ++p) w.push_back(torch::randn_like(plain[p]));
+  for (int i = 0; i < 2; ++i) w[i].narrow(1, chunks * len, c.T - chunks * len).zero_();
+  const auto dx_plain = torch::autograd::grad(plain, {kv}, w)[0];
+  Poison();
+  const auto dx = torch::autograd::grad({parts[2], parts[3], parts[4], parts[5], stack}, {kv},
+                                        {w[2], w[3], w[4], w[5], torch::stack({as_chunks(w[0]), as_chunks(w[1])})})[0];
+  EXPECT_TRUE(torch::equal(dx, dx_plain));
+}
+
 TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
   const FusedCase c = GetParam();
   const int64_t G = std::max<int64_t>(1, c.H / 4);

@@ -11,6 +11,8 @@
 #include "model/transformer.h"
 #include "nsa/attention.h"
 #include "nsa/compress.h"
+#include "nsa/dispatch.h"
+#include "nsa/rope.h"
 #include "nsa/shared_gradient.h"
 #include "test_util.h"
 
@@ -245,6 +247,91 @@ TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
       }
     }
   }
+}
+
+// tokens [B,T,G,D] -> their first `chunks` chunks of d tokens, [B,chunks,G,d,D] (a view).
+torch::Tensor AsChunks(const torch::Tensor& tokens, int64_t chunks, int64_t d) {
+  return tokens.narrow(1, 0, chunks * d)
+      .view({tokens.size(0), chunks, d, tokens.size(2), tokens.size(3)})
+      .permute({0, 1, 3, 2, 4});
+}
+
+// CompressChunksTogether takes the same tokens as their chunks [P,B,chunks,G,d,D] (what the
+// kv split writes on the CUDA backend): the same outputs and parameter gradients as
+// CompressBlocksTogether, and the chunks' gradient is the tokens' gradient in that layout.
+TEST(CompressChunksTogether, MatchesCompressBlocksTogetherOnTheTokensChunks) {
+  const int64_t B = 2, G = 3, D = 4, hidden = 6;
+  for (const auto& [l, d] : std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {8, 4}, {8, 2}}) {
+    for (const int64_t T : {8, 37}) {
+      torch::manual_seed(l * 100 + d * 10 + T);
+      const Geometry g = CompressionGeometry(l, d);
+      const int64_t N = NumCmpBlocks(T, g), chunks = N + l / d - 1;
+      std::vector<Compressor> compressors;
+      std::vector<torch::Tensor> tokens, params;
+      for (int p = 0; p < 2; ++p) {
+        Compressor c{torch::randn({l, D}, torch::kDouble).requires_grad_(true), torch::nn::Linear(l * D, hidden),
+                     torch::nn::Linear(hidden, D)};
+        c.first->to(torch::kDouble);
+        c.second->to(torch::kDouble);
+        tokens.push_back(torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true));
+        compressors.push_back(c);
+        params.insert(params.end(),
+                      {c.position_encoding, c.first->weight, c.first->bias, c.second->weight, c.second->bias});
+      }
+      const auto stack =
+          torch::stack({AsChunks(tokens[0], chunks, d), AsChunks(tokens[1], chunks, d)}).detach().requires_grad_(true);
+      const auto got = CompressChunksTogether(stack, compressors, g);
+      const auto want = CompressBlocksTogether(tokens, compressors, g);
+      ASSERT_EQ(got.size(), 2u);
+      const auto w0 = torch::randn_like(want[0]), w1 = torch::randn_like(want[1]);
+      std::vector<torch::Tensor> got_inputs = {stack}, want_inputs = tokens;
+      got_inputs.insert(got_inputs.end(), params.begin(), params.end());
+      want_inputs.insert(want_inputs.end(), params.begin(), params.end());
+      const auto got_grads = torch::autograd::grad({(got[0] * w0).sum() + (got[1] * w1).sum()}, got_inputs);
+      const auto want_grads = torch::autograd::grad({(want[0] * w0).sum() + (want[1] * w1).sum()}, want_inputs);
+      const std::string where = " l=" + std::to_string(l) + " d=" + std::to_string(d) + " T=" + std::to_string(T);
+      for (int p = 0; p < 2; ++p) {
+        ASSERT_EQ(got[p].sizes(), want[p].sizes()) << where;
+        EXPECT_LT(MaxDiff(got[p], want[p]), 1e-12) << "output " << p << where;
+        EXPECT_LT(MaxDiff(got_grads[0][p], AsChunks(want_grads[p], chunks, d)), 1e-12) << "chunks " << p << where;
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_LT(MaxDiff(got_grads[1 + i], want_grads[2 + i]), 1e-12) << "parameter " << i << where;
+      }
+    }
+  }
+  // Chunks of another length than the stride, or too few for one block, are refused by name.
+  const Geometry g = CompressionGeometry(8, 4);
+  Compressor c{torch::randn({8, 4}), torch::nn::Linear(32, 6), torch::nn::Linear(6, 4)};
+  EXPECT_THROW(CompressChunksTogether(torch::randn({1, 2, 3, 1, 2, 4}), {c}, g), c10::Error);
+  EXPECT_THROW(CompressChunksTogether(torch::randn({1, 2, 1, 1, 4, 4}), {c}, g), c10::Error);
+}
+
+// The kv split's chunk layout on the reference path (CPU; the CUDA kernel is held to it in
+// kernels/fused_ops_test): the named parts come out as one tensor of their chunks, the others
+// as without it, and a layout that does not fit x is refused.
+TEST(RotateParts, GivesTheNamedPartsAsTheirChunks) {
+  torch::manual_seed(3);
+  const int64_t B = 2, T = 37, P = 4, M = 3, D = 8, len = 4, chunks = 9;
+  const auto x = torch::randn({B, T, P, M, D});
+  const auto table = MakeRopeTable(torch::arange(T), D, 10000.0, torch::kFloat);
+  const std::vector<bool> rotate = {true, false, true, false};
+  const auto plain = RotateParts(AttentionBackend::kReference, x, table, rotate);
+  const auto parts = RotateParts(AttentionBackend::kReference, x, table, rotate, {}, PartChunks{1, 2, len, chunks});
+  ASSERT_EQ(parts.size(), static_cast<size_t>(P + 1));
+  EXPECT_TRUE(torch::equal(parts[0], plain[0]));
+  EXPECT_TRUE(torch::equal(parts[3], plain[3]));
+  EXPECT_FALSE(parts[1].defined());
+  EXPECT_FALSE(parts[2].defined());
+  const auto& stack = parts.back();
+  ASSERT_EQ(stack.sizes(), (std::vector<int64_t>{2, B, chunks, M, len, D}));
+  EXPECT_TRUE(stack.is_contiguous());
+  EXPECT_TRUE(torch::equal(stack[0], AsChunks(plain[1], chunks, len)));
+  EXPECT_TRUE(torch::equal(stack[1], AsChunks(plain[2], chunks, len)));
+  EXPECT_THROW(RotateParts(AttentionBackend::kReference, x, table, rotate, {}, PartChunks{3, 2, len, chunks}),
+               c10::Error);
+  EXPECT_THROW(RotateParts(AttentionBackend::kReference, x, table, rotate, {}, PartChunks{0, 1, len, 10}),
+               c10::Error);
 }
 
 // Under autocast the fused node computes in the autocast dtype, as the composed ops do, and

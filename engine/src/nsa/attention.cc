@@ -90,18 +90,27 @@ torch::Tensor NsaAttentionImpl::Compress(const torch::Tensor& tokens,
                         torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2)), geometry_);
 }
 
+std::vector<Compressor> NsaAttentionImpl::Compressors() const {
+  auto compressor = [](const torch::Tensor& pos, const torch::nn::Sequential& mlp) {
+    return Compressor{pos, torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)),
+                      torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2))};
+  };
+  return {compressor(cmp_k_pos_, cmp_k_mlp_), compressor(cmp_v_pos_, cmp_v_mlp_)};
+}
+
+PartChunks NsaAttentionImpl::CompressionChunks(int64_t seq_len) const {
+  const auto& g = geometry_;
+  const int64_t N = NumCmpBlocks(seq_len, g);
+  if (backend_ != AttentionBackend::kCuda || g.cmp_block % g.cmp_stride != 0 || N == 0) return {};
+  return {0, 2, g.cmp_stride, N + g.cmp_block / g.cmp_stride - 1};
+}
+
 std::vector<torch::Tensor> NsaAttentionImpl::CompressKeysAndValues(const torch::Tensor& k_tokens,
                                                                    const torch::Tensor& v_tokens) const {
   // The CUDA backend takes the fused node (same maths, a fraction of the launches); the
   // reference keeps the composed ops, which tests hold the fused node to.
   if (backend_ == AttentionBackend::kCuda && geometry_.cmp_block % geometry_.cmp_stride == 0) {
-    auto compressor = [](const torch::Tensor& pos, const torch::nn::Sequential& mlp) {
-      return Compressor{pos, torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)),
-                        torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2))};
-    };
-    return CompressBlocksTogether({k_tokens, v_tokens},
-                                  {compressor(cmp_k_pos_, cmp_k_mlp_), compressor(cmp_v_pos_, cmp_v_mlp_)},
-                                  geometry_);
+    return CompressBlocksTogether({k_tokens, v_tokens}, Compressors(), geometry_);
   }
   return {Compress(k_tokens, cmp_k_pos_, cmp_k_mlp_), Compress(v_tokens, cmp_v_pos_, cmp_v_mlp_)};
 }
@@ -146,14 +155,17 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   }
   // The kv projection [B,T,6,G,D] = [k_cmp, v_cmp, k_slc, v_slc, k_win, v_win] split into
   // contiguous parts by one call, which also rotates the selected and window keys; its
-  // gradient then reaches kv_proj in one piece instead of six zero-padded selects.
+  // gradient then reaches kv_proj in one piece instead of six zero-padded selects. On the
+  // CUDA backend the compression's two parts come out as the chunks its GEMMs read.
+  const auto chunks = CompressionChunks(T);
   const auto kv = RotateParts(backend_, projected[1].view({B, T, 6, G, D}), rope.tokens,
-                              {false, false, true, false, true, false}, grad_parts[1]);
+                              {false, false, true, false, true, false}, grad_parts[1], chunks);
   const auto& k_slc = kv[2];
   const auto& v_slc = kv[3];
   const auto& k_win = kv[4];
   const auto& v_win = kv[5];
-  const auto compressed = CompressKeysAndValues(kv[0], kv[1]);
+  const auto compressed = chunks.Any() ? CompressChunksTogether(kv.back(), Compressors(), g)
+                                       : CompressKeysAndValues(kv[0], kv[1]);
   const auto k_cmp = RotateParts(backend_, compressed[0].unsqueeze(2), rope.blocks, {true})[0];
   const auto v_cmp = compressed[1].contiguous();
 

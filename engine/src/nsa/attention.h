@@ -7,7 +7,9 @@
 
 #include <torch/torch.h>
 
+#include "nsa/compress.h"
 #include "nsa/ops.h"
+#include "nsa/part_chunks.h"
 #include "nsa/rope.h"
 #include "nsad/config.h"
 #include "nsad/engine.h"
@@ -55,6 +57,11 @@ class NsaAttentionImpl : public torch::nn::Module {
   // The keys' and values' compressions [B,N,G,D], in one autograd node on the CUDA backend.
   std::vector<torch::Tensor> CompressKeysAndValues(const torch::Tensor& k_tokens,
                                                    const torch::Tensor& v_tokens) const;
+  // The key and value compressors, as CompressBlocksTogether / CompressChunksTogether take them.
+  std::vector<Compressor> Compressors() const;
+  // Where the kv split hands the compression its two parts as chunks (CompressChunksTogether):
+  // the CUDA backend, l a multiple of d and at least one block in seq_len; else none.
+  PartChunks CompressionChunks(int64_t seq_len) const;
   // The rope tables for T tokens and for the compressed blocks of T tokens, on `device`,
   // computed on first use and kept while T, device and type stay the same (a training run
   // uses one sequence length, so this saves ~12 small launches per layer and step).

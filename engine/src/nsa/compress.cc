@@ -44,9 +44,10 @@ torch::Tensor HiddenByChunks(const torch::Tensor& tokens, const torch::Tensor& p
   return sum + bias.to(sum.scalar_type());
 }
 
-// The autograd node of CompressBlocksTogether. Inputs: the P token tensors [B,T,G,D], then
-// per compressor pos [l,D], W1 [h,l*D], b1 [h], W2 [D,h], b2 [D]. Shapes: M = B*chunks*G
-// chunk rows, R = B*N*G block rows, dD = d*D.
+// The autograd node of CompressBlocksTogether and CompressChunksTogether. Inputs: the P token
+// tensors [B,T,G,D] (or, chunked, their chunks [P,B,chunks,G,d,D] as one tensor), then per
+// compressor pos [l,D], W1 [h,l*D], b1 [h], W2 [D,h], b2 [D]. Shapes: M = B*chunks*G chunk
+// rows, R = B*N*G block rows, dD = d*D.
 //
 // Forward, per compressor (batched over P):
 //   Xc [M,dD]       the tokens in chunks of d, rows (b, c, g)
@@ -70,21 +71,31 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
 
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList in, int64_t P,
-                                                int64_t l, int64_t d, int64_t compute_dtype) {
+                                                int64_t l, int64_t d, int64_t compute_dtype, bool chunked) {
     // The GEMMs' dtype is chosen by the caller; autocast must not recast anything in here.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto ct = static_cast<at::ScalarType>(compute_dtype);
     const auto& x0 = in[0];
-    const int64_t B = x0.size(0), T = x0.size(1), G = x0.size(2), D = x0.size(3);
-    const int64_t r = l / d, N = (T - l) / d + 1, chunks = N + r - 1;
-    const int64_t h = Param(in, P, 0, 1).size(0), dD = d * D, M = B * chunks * G, R = B * N * G;
+    const int64_t first = chunked ? 1 : P;  // the first parameter's input
+    const int64_t r = l / d;
+    // Token mode: [B,T,G,D] each; chunked: [P,B,chunks,G,d,D], positions past chunks * d gone.
+    const int64_t B = chunked ? x0.size(1) : x0.size(0), G = chunked ? x0.size(3) : x0.size(2),
+                  D = x0.size(-1), T = chunked ? x0.size(2) * d : x0.size(1);
+    const int64_t N = (T - l) / d + 1, chunks = N + r - 1;
+    const int64_t h = Param(in, first, 0, 1).size(0), dD = d * D, M = B * chunks * G, R = B * N * G;
     const auto opts = x0.options().dtype(ct);
 
-    auto Xc = at::empty({P, B, chunks, G, d, D}, opts);
-    for (int64_t p = 0; p < P; ++p) {
-      CopyInWords(Xc[p], in[p].narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}).to(ct));
+    torch::Tensor Xc;
+    if (chunked) {
+      Xc = x0.to(ct).contiguous();  // as it comes from RoPE: no copy
+    } else {
+      Xc = at::empty({P, B, chunks, G, d, D}, opts);
+      for (int64_t p = 0; p < P; ++p) {
+        CopyInWords(Xc[p],
+                    in[p].narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}).to(ct));
+      }
     }
-    const auto prepared = Prepare(in, P, ct);
+    const auto prepared = Prepare(in, first, P, ct);
     const auto Y = at::bmm(Xc.view({P, M, dD}), prepared.w1.view({P, h * r, dD}).transpose(1, 2))
                        .view({P, B, chunks, G, h, r});
     const auto [hidden, act] = HiddenForward(Y, prepared.pos_bias, N);
@@ -92,11 +103,12 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
 
     torch::autograd::variable_list to_save = {Xc, prepared.w1, hidden, act, prepared.w2};
     for (int64_t p = 0; p < P; ++p) {
-      to_save.push_back(Param(in, P, p, 0));  // pos and W1: the bias path's gradients
-      to_save.push_back(Param(in, P, p, 1));
+      to_save.push_back(Param(in, first, p, 0));  // pos and W1: the bias path's gradients
+      to_save.push_back(Param(in, first, p, 1));
     }
     ctx->save_for_backward(to_save);
     ctx->saved_data["shape"] = std::vector<int64_t>{P, B, T, G, D, l, d, h};
+    ctx->saved_data["chunked"] = chunked;
     ctx->saved_data["token_dtype"] = static_cast<int64_t>(x0.scalar_type());
     torch::autograd::variable_list outs;
     for (int64_t p = 0; p < P; ++p) outs.push_back(out[p].view({B, N, G, D}));
@@ -132,14 +144,22 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
     const auto dpos = PositionGrads(dW1, dbias, params, P);  // also adds dbias x pos into dW1
     const auto dXc = at::bmm(dY_rows, W1s).view({P, B, chunks, G, d, D});
 
-    torch::autograd::variable_list out(P + P * kParams + 4);
+    const bool chunked = ctx->saved_data["chunked"].toBool();
+    const int64_t first = chunked ? 1 : P;
+    // One gradient per forward input: the tensors of `in` (P token tensors or one chunk
+    // tensor, then the parameters), then one, undefined, per non-tensor argument (P, l, d,
+    // compute_dtype, chunked).
+    torch::autograd::variable_list out(first + P * kParams + 5);
+    if (chunked) out[0] = dXc.to(token_dtype);  // in the chunk layout, as RoPE's backward reads it
     for (int64_t p = 0; p < P; ++p) {
-      auto dx = at::empty({B, T, G, D}, Xc.options().dtype(token_dtype));
-      CopyInWords(dx.narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}),
-                  dXc[p].to(token_dtype));
-      if (T > chunks * d) dx.narrow(1, chunks * d, T - chunks * d).zero_();
-      out[p] = dx;
-      torch::Tensor* g = &out[P + p * kParams];
+      if (!chunked) {
+        auto dx = at::empty({B, T, G, D}, Xc.options().dtype(token_dtype));
+        CopyInWords(dx.narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}),
+                    dXc[p].to(token_dtype));
+        if (T > chunks * d) dx.narrow(1, chunks * d, T - chunks * d).zero_();
+        out[p] = dx;
+      }
+      torch::Tensor* g = &out[first + p * kParams];
       g[0] = dpos[p].view({l, D});
       g[1] = dW1[p];
       g[2] = dbias[p];
@@ -150,9 +170,10 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
   }
 
  private:
-  // Parameter `which` (0 pos, 1 W1, 2 b1, 3 W2, 4 b2) of compressor p.
-  static const torch::Tensor& Param(at::TensorList in, int64_t P, int64_t p, int which) {
-    return in[P + p * kParams + which];
+  // Parameter `which` (0 pos, 1 W1, 2 b1, 3 W2, 4 b2) of compressor p; the parameters start
+  // at input `first`.
+  static const torch::Tensor& Param(at::TensorList in, int64_t first, int64_t p, int which) {
+    return in[first + p * kParams + which];
   }
 
   struct Prepared {
@@ -161,11 +182,12 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
 
 #ifdef NSAD_HAVE_CUDA_KERNELS
   // The compressors as the kernels take them, or none when they do not.
-  static std::vector<cuda::detail::CompressorParams> KernelParams(at::TensorList in, int64_t P, at::ScalarType ct) {
+  static std::vector<cuda::detail::CompressorParams> KernelParams(at::TensorList in, int64_t first, int64_t P,
+                                                                  at::ScalarType ct) {
     std::vector<cuda::detail::CompressorParams> params;
     for (int64_t p = 0; p < P; ++p) {
-      params.push_back({Param(in, P, p, 0), Param(in, P, p, 1), Param(in, P, p, 2), Param(in, P, p, 3),
-                        Param(in, P, p, 4)});
+      params.push_back({Param(in, first, p, 0), Param(in, first, p, 1), Param(in, first, p, 2),
+                        Param(in, first, p, 3), Param(in, first, p, 4)});
     }
     if (!cuda::detail::CompressMlpTakes(params, ct)) params.clear();
     return params;
@@ -173,9 +195,9 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
 #endif
 
   // W1, W2, b2 in ct and pos_bias = W1 flatten(pos) + b1 in the parameters' dtype.
-  static Prepared Prepare(at::TensorList in, int64_t P, at::ScalarType ct) {
+  static Prepared Prepare(at::TensorList in, int64_t first, int64_t P, at::ScalarType ct) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-    const auto kernel_params = KernelParams(in, P, ct);
+    const auto kernel_params = KernelParams(in, first, P, ct);
     if (!kernel_params.empty()) {
       auto k = cuda::detail::PrepareCompressors(kernel_params, ct);
       return {k.w1, k.w2, k.b2, k.pos_bias};
@@ -183,10 +205,11 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
 #endif
     std::vector<torch::Tensor> w1, w2, b2, pos_bias;
     for (int64_t p = 0; p < P; ++p) {
-      w1.push_back(Param(in, P, p, 1).to(ct));
-      w2.push_back(Param(in, P, p, 3).to(ct));
-      b2.push_back(Param(in, P, p, 4).to(ct));
-      pos_bias.push_back(at::addmv(Param(in, P, p, 2), Param(in, P, p, 1), Param(in, P, p, 0).reshape({-1})));
+      w1.push_back(Param(in, first, p, 1).to(ct));
+      w2.push_back(Param(in, first, p, 3).to(ct));
+      b2.push_back(Param(in, first, p, 4).to(ct));
+      pos_bias.push_back(
+          at::addmv(Param(in, first, p, 2), Param(in, first, p, 1), Param(in, first, p, 0).reshape({-1})));
     }
     return {at::stack(w1), at::stack(w2), at::stack(b2), at::stack(pos_bias)};
   }
@@ -283,7 +306,31 @@ std::vector<torch::Tensor> CompressBlocksTogether(const std::vector<torch::Tenso
   }
   // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
   return CompressTogetherFn::apply(at::TensorList(in), static_cast<int64_t>(tokens.size()), g.cmp_block, g.cmp_stride,
-                                   static_cast<int64_t>(compute));
+                                   static_cast<int64_t>(compute), false);
+}
+
+std::vector<torch::Tensor> CompressChunksTogether(const torch::Tensor& chunks,
+                                                  const std::vector<Compressor>& compressors,
+                                                  const Geometry& g) {
+  TORCH_CHECK(g.cmp_block % g.cmp_stride == 0, "CompressChunksTogether needs a stride that divides the block length");
+  TORCH_CHECK(chunks.dim() == 6 && chunks.size(0) == static_cast<int64_t>(compressors.size()) &&
+                  chunks.size(4) == g.cmp_stride,
+              "CompressChunksTogether takes chunks [P,B,chunks,G,d,D] with one compressor per part and d = ",
+              g.cmp_stride, ", got ", chunks.sizes(), " for ", compressors.size(), " compressors");
+  const int64_t r = g.cmp_block / g.cmp_stride;
+  TORCH_CHECK(chunks.size(2) >= r, "CompressChunksTogether needs at least one block: ", chunks.size(2),
+              " chunks of ", g.cmp_stride, " for blocks of ", g.cmp_block);
+  // As CompressBlocks' at::linear calls (the chunk tensor carries the tokens' dtype).
+  const auto compute = LinearComputeType(chunks);
+  torch::autograd::variable_list in{chunks};
+  for (const auto& c : compressors) {
+    TORCH_CHECK(c.first->bias.defined() && c.second->bias.defined(), "CompressChunksTogether needs biases");
+    TORCH_CHECK(c.first->weight.size(0) == compressors[0].first->weight.size(0),
+                "CompressChunksTogether takes compressors of one hidden width");
+    in.insert(in.end(), {c.position_encoding, c.first->weight, c.first->bias, c.second->weight, c.second->bias});
+  }
+  return CompressTogetherFn::apply(at::TensorList(in), static_cast<int64_t>(compressors.size()), g.cmp_block,
+                                   g.cmp_stride, static_cast<int64_t>(compute), true);
 }
 
 torch::Tensor CompressBlocks(const torch::Tensor& tokens, const torch::Tensor& position_encoding,

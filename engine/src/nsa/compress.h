@@ -44,4 +44,13 @@ std::vector<torch::Tensor> CompressBlocksTogether(const std::vector<torch::Tenso
                                                   const std::vector<Compressor>& compressors,
                                                   const Geometry& g);
 
+// CompressBlocksTogether of P token tensors given as their chunks [P, B, chunks, G, d, D]
+// (chunk c = tokens c d .. c d + d - 1 of every group; chunks = N + l/d - 1 for N blocks): the
+// layout its GEMMs read, which RotateParts writes directly (PartChunks), so that neither the
+// tokens nor their gradient are permuted on the way. Returns the P compressed tensors
+// [B,N,G,D]; the chunks' gradient comes back in the same layout.
+std::vector<torch::Tensor> CompressChunksTogether(const torch::Tensor& chunks,
+                                                  const std::vector<Compressor>& compressors,
+                                                  const Geometry& g);
+
 }  // namespace nsad::nsa

@@ -128,23 +128,38 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
                                        const RopeTable& table, const std::vector<bool>& rotate,
-                                       const GradientPart& dx) {
+                                       const GradientPart& dx, const PartChunks& chunks) {
   TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "RotateParts: ", rotate.size(),
               " rotate flags for ", x.size(2), " parts");
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(x) && table.cos.scalar_type() == torch::kFloat) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, dx);
+    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, dx, chunks);
   }
 #else
   UseCuda(backend);
 #endif
-  std::vector<torch::Tensor> parts;
+  const int64_t B = x.size(0), M = x.size(3), D = x.size(4);
+  if (chunks.Any()) {
+    TORCH_CHECK(chunks.first >= 0 && chunks.count > 0 && chunks.first + chunks.count <= x.size(2) && chunks.len > 0 &&
+                    chunks.chunks >= 0 && chunks.chunks * chunks.len <= x.size(1),
+                "RotateParts: a chunk layout that does not fit x ", x.sizes());
+  }
+  std::vector<torch::Tensor> parts, chunked;
   for (int64_t p = 0; p < x.size(2); ++p) {
     const auto part = x.select(2, p);
-    parts.push_back(rotate[p] ? ApplyRope(part, table) : part.contiguous());
+    const auto out = rotate[p] ? ApplyRope(part, table) : part.contiguous();
+    if (!chunks.Holds(p)) {
+      parts.push_back(out);
+      continue;
+    }
+    parts.emplace_back();
+    chunked.push_back(out.narrow(1, 0, chunks.chunks * chunks.len)
+                          .view({B, chunks.chunks, chunks.len, M, D})
+                          .permute({0, 1, 3, 2, 4}));
   }
+  if (chunks.Any()) parts.push_back(torch::stack(chunked));
   return parts;
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "nsa/ops.h"
+#include "nsa/part_chunks.h"
 #include "nsa/rope.h"
 #include "nsa/shared_gradient.h"
 #include "nsad/config.h"
@@ -63,10 +64,12 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 // x [B,T,P,M,D] split into its P parts x[:,:,p], each a contiguous [B,T,M,D], with RoPE
 // applied to the parts where rotate[p] (one call for a whole projection: its gradient then
 // comes back in one piece on the fused path, written into dx when given: x's part of a
-// SharedGradient).
+// SharedGradient). With chunks, the parts it names come out as one contiguous tensor in its
+// chunk layout (nsa/part_chunks.h: what CompressChunksTogether reads), returned after the P
+// parts, whose entries for those parts are undefined.
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
                                        const RopeTable& table, const std::vector<bool>& rotate,
-                                       const GradientPart& dx = {});
+                                       const GradientPart& dx = {}, const PartChunks& chunks = {});
 // gates [B,T,H,3] (cmp, slc, win) -> sum over k of gates[...,k] * branch k, [B,T,H,D].
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
