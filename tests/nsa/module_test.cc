@@ -198,6 +198,27 @@ TEST(CompressBlocks, MatchesTheDefinition) {
   }
 }
 
+// Two compressors (keys, values) in double with random token tensors [B,T,G,D] for them, and
+// each compressor's parameters (pos, W1, b1, W2, b2) in order.
+struct TwoCompressions {
+  std::vector<Compressor> compressors;
+  std::vector<torch::Tensor> tokens, params;
+};
+TwoCompressions RandomCompressions(int64_t B, int64_t T, int64_t G, int64_t D, int64_t l, int64_t hidden) {
+  TwoCompressions two;
+  for (int p = 0; p < 2; ++p) {
+    Compressor c{torch::randn({l, D}, torch::kDouble).requires_grad_(true), torch::nn::Linear(l * D, hidden),
+                 torch::nn::Linear(hidden, D)};
+    c.first->to(torch::kDouble);
+    c.second->to(torch::kDouble);
+    two.tokens.push_back(torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true));
+    two.compressors.push_back(c);
+    two.params.insert(two.params.end(),
+                      {c.position_encoding, c.first->weight, c.first->bias, c.second->weight, c.second->bias});
+  }
+  return two;
+}
+
 // CompressBlocksTogether (the CUDA backend's one autograd node for keys and values) against
 // the same definition, each token tensor through its own compressor: both outputs and every
 // gradient, chunked strides only (r = 1, 2, 4), with a partial last chunk, no block at all,
@@ -209,17 +230,11 @@ TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
       torch::manual_seed(l * 100 + d * 10 + T);
       const Geometry g = CompressionGeometry(l, d);
       const int64_t N = NumCmpBlocks(T, g);
-      std::vector<Compressor> compressors;
-      std::vector<torch::Tensor> tokens, inputs;
+      const auto [compressors, tokens, params] = RandomCompressions(B, T, G, D, l, hidden);
+      std::vector<torch::Tensor> inputs;  // each token tensor, then its compressor's parameters
       for (int p = 0; p < 2; ++p) {
-        Compressor c{torch::randn({l, D}, torch::kDouble).requires_grad_(true), torch::nn::Linear(l * D, hidden),
-                     torch::nn::Linear(hidden, D)};
-        c.first->to(torch::kDouble);
-        c.second->to(torch::kDouble);
-        tokens.push_back(torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true));
-        compressors.push_back(c);
-        inputs.insert(inputs.end(), {tokens.back(), c.position_encoding, c.first->weight, c.first->bias,
-                                     c.second->weight, c.second->bias});
+        inputs.push_back(tokens[p]);
+        inputs.insert(inputs.end(), params.begin() + 5 * p, params.begin() + 5 * p + 5);
       }
       const auto got = CompressBlocksTogether(tokens, compressors, g);
       ASSERT_EQ(got.size(), 2u);
@@ -266,18 +281,7 @@ TEST(CompressChunksTogether, MatchesCompressBlocksTogetherOnTheTokensChunks) {
       torch::manual_seed(l * 100 + d * 10 + T);
       const Geometry g = CompressionGeometry(l, d);
       const int64_t N = NumCmpBlocks(T, g), chunks = N + l / d - 1;
-      std::vector<Compressor> compressors;
-      std::vector<torch::Tensor> tokens, params;
-      for (int p = 0; p < 2; ++p) {
-        Compressor c{torch::randn({l, D}, torch::kDouble).requires_grad_(true), torch::nn::Linear(l * D, hidden),
-                     torch::nn::Linear(hidden, D)};
-        c.first->to(torch::kDouble);
-        c.second->to(torch::kDouble);
-        tokens.push_back(torch::randn({B, T, G, D}, torch::kDouble).requires_grad_(true));
-        compressors.push_back(c);
-        params.insert(params.end(),
-                      {c.position_encoding, c.first->weight, c.first->bias, c.second->weight, c.second->bias});
-      }
+      const auto [compressors, tokens, params] = RandomCompressions(B, T, G, D, l, hidden);
       const auto stack =
           torch::stack({AsChunks(tokens[0], chunks, d), AsChunks(tokens[1], chunks, d)}).detach().requires_grad_(true);
       const auto got = CompressChunksTogether(stack, compressors, g);
