@@ -213,10 +213,9 @@ void CheckTable(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t
 // The chunk layout's parts, checked against x's P parts and T positions, as kernel bits.
 uint32_t ChunkMask(const PartChunks& chunks, int64_t P, int64_t T) {
   if (!chunks.Any()) return 0;
-  TORCH_CHECK(chunks.first >= 0 && chunks.count > 0 && chunks.first + chunks.count <= P,
-              "RoPE chunk layout: parts [", chunks.first, ", ", chunks.first + chunks.count, ") of ", P);
-  TORCH_CHECK(chunks.len > 0 && chunks.chunks >= 0 && chunks.chunks * chunks.len <= T && chunks.len <= INT32_MAX,
-              "RoPE chunk layout: ", chunks.chunks, " chunks of ", chunks.len, " positions do not fit ", T);
+  TORCH_CHECK(chunks.Fits(P, T) && chunks.len <= INT32_MAX, "RoPE chunk layout: parts [", chunks.first, ", ",
+              chunks.first + chunks.count, ") in ", chunks.chunks, " chunks of ", chunks.len,
+              " positions do not fit ", P, " parts of ", T, " positions");
   return ((1u << chunks.count) - 1u) << chunks.first;
 }
 

@@ -141,11 +141,8 @@ std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Te
   UseCuda(backend);
 #endif
   const int64_t B = x.size(0), M = x.size(3), D = x.size(4);
-  if (chunks.Any()) {
-    TORCH_CHECK(chunks.first >= 0 && chunks.count > 0 && chunks.first + chunks.count <= x.size(2) && chunks.len > 0 &&
-                    chunks.chunks >= 0 && chunks.chunks * chunks.len <= x.size(1),
-                "RotateParts: a chunk layout that does not fit x ", x.sizes());
-  }
+  TORCH_CHECK(!chunks.Any() || chunks.Fits(x.size(2), x.size(1)), "RotateParts: a chunk layout that does not fit x ",
+              x.sizes());
   std::vector<torch::Tensor> parts, chunked;
   for (int64_t p = 0; p < x.size(2); ++p) {
     const auto part = x.select(2, p);

@@ -19,6 +19,10 @@ struct PartChunks {
   int64_t len = 0, chunks = 0;
   bool Any() const { return count > 0; }
   bool Holds(int64_t part) const { return part >= first && part < first + count; }
+  // Whether the named parts are among x's `parts` and the chunks within its `positions`.
+  bool Fits(int64_t parts, int64_t positions) const {
+    return first >= 0 && count > 0 && first + count <= parts && len > 0 && chunks >= 0 && chunks * len <= positions;
+  }
 };
 
 }  // namespace nsad::nsa
