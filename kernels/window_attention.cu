@@ -85,7 +85,7 @@ struct WindowKeyPolicy {
   // every block is the one congruent to i modulo its count, so the (up to) nine CTAs whose
   // windows share a position read its Q/dO rows and add its dQ at about the same time, while
   // they are in L2. In plain order neighbouring blocks' CTAs reach a position 64 positions
-  // apart, and what all running CTAs read in between (about 50 MB at batch 16, T = 2048,
+  // apart, and what all running CTAs read in between (about 50 MB counted at batch 16, T = 2048,
   // 12:2) overflows the L2: measured 80.2-80.5 -> 81.7-82.5 ms per m7c step on an H100.
   __device__ int Query(const KeyWork& w, int i) const {
     if (slices != 1) return static_cast<int>(w.query_base) + i;
