@@ -85,31 +85,37 @@ struct Cfg {
   static constexpr int kBytes = kAlignSlack + kRowOffset + 8 * kMaxQueries;
 };
 
-// Adds half `h` (row g + 8 h) of a warp's m64n64 accumulator rows, times mul, into a
-// float32 row of 64 columns with 16-byte atomics: of each 16 columns, lane c holds 16 i +
-// 2c, +1 (d[2i]) and 16 i + 8 + 2c, +1 (d[2i + 1]); one exchange with lane c ^ 1 leaves the
-// even lane with 16 i + 4 (c / 2) .. + 3 and the odd lane with 16 i + 8 + 4 (c / 2) .. + 3.
-// Half the atomic operations of float2 adds (mma::AtomicAddRowColumns): measured on H100,
-// selected backward alone B16 T2048 D64 12:2 1.26-1.29 -> 1.18 ms, 64k 3.09-3.14 -> 2.94-2.96
-// ms. All lanes take part in the exchange; `add`
-// says whether this lane's row is added.
+// A warp's m64n64 accumulator rows as quads of four adjacent columns: of each 16 columns, lane
+// c of a quad holds 16 i + 2c, +1 (d[2i]) and 16 i + 8 + 2c, +1 (d[2i + 1]) of row g + 8 h;
+// one exchange with lane c ^ 1 leaves the even lane with columns 16 i + 4 (c / 2) .. + 3 and
+// the odd lane with 16 i + 8 + 4 (c / 2) .. + 3. RowQuadColumn is the lane's first quad's
+// column (the others are 16 columns further each), RowQuad its quad i (every lane of the
+// warp must call it: it exchanges with the neighbour). Shared by the atomic adds and the
+// rounded stores below, so both write the same columns.
+__device__ __forceinline__ int RowQuadColumn(int lane) { return 8 * (lane & 1) + 4 * ((lane & 3) >> 1); }
+__device__ __forceinline__ float4 RowQuad(const float (&d)[8][4], int h, int i, int lane) {
+  const bool odd = lane & 1;
+  const float a0 = d[2 * i][2 * h], a1 = d[2 * i][2 * h + 1];
+  const float b0 = d[2 * i + 1][2 * h], b1 = d[2 * i + 1][2 * h + 1];
+  const float x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+  const float x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+  return odd ? make_float4(x0, x1, b0, b1) : make_float4(a0, a1, x0, x1);
+}
+
+// Adds half `h` of a warp's m64n64 accumulator rows, times mul, into a float32 row of 64
+// columns, one 16-byte atomic per quad (RowQuad). Half the atomic operations of float2 adds
+// (mma::AtomicAddRowColumns): measured on H100, selected backward alone B16 T2048 D64 12:2
+// 1.26-1.29 -> 1.18 ms, 64k 3.09-3.14 -> 2.94-2.96 ms. All lanes take part in the exchange;
+// `add` says whether this lane's row is added.
 __device__ __forceinline__ void AtomicAddRowQuads(float* row, const float (&d)[8][4], int h, float mul, bool add,
                                                   int lane) {
-  const int c = lane & 3;
-  const bool odd = c & 1;
-  // The lane's first quad; the others are 16 columns (4 float4) apart, so each add's address
-  // is an immediate offset from one pointer instead of 64-bit index arithmetic per add.
-  float4* const quads = reinterpret_cast<float4*>(row + 8 * odd + 4 * (c >> 1));
+  // Each add's address is an immediate offset from one pointer instead of 64-bit index
+  // arithmetic per add.
+  float4* const quads = reinterpret_cast<float4*>(row + RowQuadColumn(lane));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float a0 = d[2 * i][2 * h], a1 = d[2 * i][2 * h + 1];
-    const float b0 = d[2 * i + 1][2 * h], b1 = d[2 * i + 1][2 * h + 1];
-    const float x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-    const float x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-    if (!add) continue;
-    const float4 quad = odd ? make_float4(x0 * mul, x1 * mul, b0 * mul, b1 * mul)
-                            : make_float4(a0 * mul, a1 * mul, x0 * mul, x1 * mul);
-    atomicAdd(quads + 4 * i, quad);
+    const float4 x = RowQuad(d, h, i, lane);
+    if (add) atomicAdd(quads + 4 * i, make_float4(x.x * mul, x.y * mul, x.z * mul, x.w * mul));
   }
 }
 
@@ -129,19 +135,11 @@ template <typename scalar_t>
 __device__ __forceinline__ void StoreRowQuads(scalar_t* row, const float (&d)[8][4], int h, float mul, bool store,
                                               int lane) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  const int c = lane & 3;
-  const bool odd = c & 1;
-  uint2* const quads = reinterpret_cast<uint2*>(row + 8 * odd + 4 * (c >> 1));
+  uint2* const quads = reinterpret_cast<uint2*>(row + RowQuadColumn(lane));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float a0 = d[2 * i][2 * h], a1 = d[2 * i][2 * h + 1];
-    const float b0 = d[2 * i + 1][2 * h], b1 = d[2 * i + 1][2 * h + 1];
-    const float x0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-    const float x1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-    if (!store) continue;
-    const uint2 quad = odd ? make_uint2(mma::Pack<kBf16>(x0 * mul, x1 * mul), mma::Pack<kBf16>(b0 * mul, b1 * mul))
-                           : make_uint2(mma::Pack<kBf16>(a0 * mul, a1 * mul), mma::Pack<kBf16>(x0 * mul, x1 * mul));
-    quads[4 * i] = quad;
+    const float4 x = RowQuad(d, h, i, lane);
+    if (store) quads[4 * i] = make_uint2(mma::Pack<kBf16>(x.x * mul, x.y * mul), mma::Pack<kBf16>(x.z * mul, x.w * mul));
   }
 }
 
