@@ -29,9 +29,11 @@ int KeyBits(uint64_t max_key) {
   return bits;
 }
 
-// Each entry's segment key (S for an unused slot) and its own index as the sort value. 32-bit
-// index maths through multiply-shift division (entries < 2^31): with 64-bit divisions the
-// kernel took 10 us per call at batch 16, T=2048 on an H100, twice its memory time.
+// Each entry's segment key (S for an unused slot, or for a block its row listed in an earlier
+// slot: the selection is a set, as in the reference, so a segment holds each position at most
+// once) and its own index as the sort value. 32-bit index maths through multiply-shift
+// division (entries < 2^31): with 64-bit divisions the kernel took 10 us per call at batch
+// 16, T=2048 on an H100, twice its memory time.
 struct EntryDividers {
   at::cuda::detail::IntDivider<uint32_t> slots, groups, positions;  // n, G, T
 };
@@ -39,9 +41,12 @@ __global__ void SegmentKeysKernel(const int* __restrict__ block_idx, Key* __rest
                                   int* __restrict__ values, uint32_t entries, EntryDividers div, int NS, Key S) {
   for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < entries; e += gridDim.x * blockDim.x) {
     const int blk = block_idx[e];
-    const auto row_g = div.groups.divmod(div.slots.div(e));  // row = (b T + t) G + g
+    const auto row_slot = div.slots.divmod(e);
+    bool repeat = false;  // the row's earlier slots: the same cache line, read by the row's neighbours too
+    for (uint32_t j = e - row_slot.mod; j < e; ++j) repeat |= block_idx[j] == blk;
+    const auto row_g = div.groups.divmod(row_slot.div);  // row = (b T + t) G + g
     const uint32_t b = div.positions.div(row_g.div);
-    keys[e] = blk >= 0 ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
+    keys[e] = blk >= 0 && !repeat ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
     values[e] = static_cast<int>(e);
   }
 }

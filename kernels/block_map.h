@@ -9,8 +9,9 @@
 namespace nsad::nsa::cuda::detail {
 
 // Every entry of block_idx ([B,T,G,n] int32 flattened, e = ((b T + t) G + g) n + slot) grouped
-// by its segment (b, g, block), in position order inside a segment, unused (-1) slots last;
-// each segment cut into work items of at most queries_per_item entries.
+// by its segment (b, g, block), in position order inside a segment, unused (-1) slots and
+// repeats (a block its row listed in an earlier slot) last: a segment holds each position at
+// most once. Each segment is cut into work items of at most queries_per_item entries.
 struct BlockMap {
   at::Tensor sorted_entry;  // int32 [B T G n]
   at::Tensor seg_off;       // int64 [S+1]: first entry of each segment in sorted_entry

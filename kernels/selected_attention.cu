@@ -114,6 +114,17 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
 // and slower at 64k backward (a sweep of 128/256/384/512 in an earlier call).
 int QueriesPerCta(const Choice& c) { return c.queries_per_item > 0 ? c.queries_per_item : kQueriesPerCta; }
 
+// Whether slot `slot` of a position's list repeats a block an earlier slot listed. The
+// selection is a set, as in the reference: every kernel counts a block once, the query-side
+// ones by skipping a repeat (the selection kernel never repeats a block; tests do), the
+// key-centric ones through the inverted map, which drops them (InvertBlockMap).
+__device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
+  const int blk = list[slot];
+  bool repeat = false;
+  for (int j = 0; j < slot; ++j) repeat |= list[j] == blk;
+  return repeat;
+}
+
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
 template <typename scalar_t, int D, bool kDq>
 __global__ void __launch_bounds__(mma::kMmaThreads)
@@ -148,7 +159,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     st.Init();
     for (int slot = 0; slot < n; ++slot) {
       const int blk = idx[slot];
-      if (blk < 0) continue;
+      if (blk < 0 || RepeatsEarlierSlot(idx, slot)) continue;
       const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
       for (int start = blk * slc_block; start < end; start += kN) {
         mma::FwdStep<kBf16, D, kN>(st, qa, qb, k + KeyOffset(s, b, start, grp),
@@ -173,7 +184,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
     for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     for (int slot = 0; slot < n; ++slot) {
       const int blk = idx[slot];
-      if (blk < 0) continue;
+      if (blk < 0 || RepeatsEarlierSlot(idx, slot)) continue;
       const int end = min(min(blk * slc_block + slc_block, s.T), t + 1);
       for (int start = blk * slc_block; start < end; start += kN) {
         mma::DqStep<kBf16, D, kN>(acc, qa, qb, da, db, k + KeyOffset(s, b, start, grp),
@@ -227,15 +238,14 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
   const int64_t stride = static_cast<int64_t>(s.G) * s.D;
 
   // Lane p < npos walks the list of position p_lo + p; head = its next block (INT_MAX: done).
-  // Unused (-1) slots are skipped wherever they are; a block listed twice is visited twice,
-  // like the per-position kernel does.
+  // Unused (-1) slots and repeats (RepeatsEarlierSlot) are skipped wherever they are.
   const int npos = p_hi - p_lo + 1;
   const int* list = block_idx + ((static_cast<int64_t>(b) * s.T + p_lo + min(lane, npos - 1)) * s.G + grp) * n;
   int ptr = lane < npos ? 0 : n;
   const auto next_head = [&]() {
     while (ptr < n) {
       const int x = list[ptr];
-      if (x >= 0) return x;
+      if (x >= 0 && !RepeatsEarlierSlot(list, ptr)) return x;
       ++ptr;
     }
     return INT_MAX;
@@ -416,8 +426,9 @@ struct SelectedQueryPolicy {
   }
   __device__ int NumChunks(const Shape&, const QueryTile&) const { return n; }
   __device__ KeyChunk Chunk(const Shape& s, const QueryTile& tile, int slot) const {
-    const int blk = block_idx[((static_cast<int64_t>(tile.b) * s.T + tile.t0) * s.G + tile.g) * n + slot];
-    if (blk < 0) return {0, 0};
+    const int* list = block_idx + ((static_cast<int64_t>(tile.b) * s.T + tile.t0) * s.G + tile.g) * n;
+    const int blk = list[slot];
+    if (blk < 0 || RepeatsEarlierSlot(list, slot)) return {0, 0};
     const int start = blk * slc_block;
     const int end = min(min(start + slc_block, s.T), tile.t0 + 1);  // causal inside the block
     return {start, max(0, end - start)};

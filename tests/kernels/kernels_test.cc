@@ -262,30 +262,58 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
   }
 }
 
-// The selection is a set in the reference: a block listed twice counts once. The forwards
-// that see the whole list at once (tiled: a bitmask per block; blocks: the combine skips a
-// repeated block's partial) keep that rule; the selection kernel never repeats a block.
+// The selection is a set in the reference: a block listed twice counts once, in every
+// forward (tiled: a bitmask per block; blocks: the combine skips a repeated block's partial;
+// per position, rows and the fp32 kernel: a repeated slot is skipped) and backward (the
+// query-side dQ skips the slot, the key-centric kernels' inverted map drops it). The
+// selection kernel never repeats a block; every position here lists block 0 again in its last
+// slot (whatever was there is dropped).
+torch::Tensor SelectionWithBlockZeroRepeated(const Case& c, const Geometry& geo) {
+  const int64_t NS = NumSlcBlocks(c.T, geo);
+  const auto importance =
+      torch::rand({kBatch, c.T, c.G, NS}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  auto idx = cuda::SelectBlocks(importance, c.T, geo);
+  idx.select(3, geo.top_n - 1).fill_(0);
+  return idx;
+}
+
 TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
   using Choice = cuda::detail::SelectedKernelChoice;
   const Case c = GetParam();
-  if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core forwards only";
-  const int64_t NS = NumSlcBlocks(c.T, geo_);
   const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
   const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
   const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto importance = torch::rand({kBatch, c.T, c.G, NS}, Opts().dtype(torch::kFloat));
-  auto idx = cuda::SelectBlocks(importance, c.T, geo_);
-  // Every position lists block 0 again in its last slot (whatever was there is dropped).
-  idx.select(3, geo_.top_n - 1).fill_(0);
+  const auto idx = SelectionWithBlockZeroRepeated(c, geo_);
   const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
                                               geo_);
-  for (const Choice::Fwd fwd : {Choice::Fwd::kTiled, Choice::Fwd::kBlocks}) {
-    SCOPED_TRACE(fwd == Choice::Fwd::kTiled ? "tiled" : "blocks");
+  const std::vector<std::pair<const char*, Choice::Fwd>> forwards =
+      c.dtype == torch::kFloat  // one scalar kernel
+          ? std::vector<std::pair<const char*, Choice::Fwd>>{{"fp32", Choice::Fwd::kAuto}}
+          : std::vector<std::pair<const char*, Choice::Fwd>>{{"tiled", Choice::Fwd::kTiled},
+                                                             {"blocks", Choice::Fwd::kBlocks},
+                                                             {"rows", Choice::Fwd::kRows},
+                                                             {"heads", Choice::Fwd::kHeads}};
+  for (const auto& [name, fwd] : forwards) {
+    SCOPED_TRACE(name);
     Choice choice;
     choice.fwd = fwd;
     const cuda::detail::ScopedSelectedKernelChoice force(choice);
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
+  }
+}
+
+// The backward under the default kernels and with short slices (a block's entries over many
+// dK/dV work items).
+TEST_P(KernelsTest, SelectedBackwardCountsARepeatedBlockOnce) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const auto idx = SelectionWithBlockZeroRepeated(GetParam(), geo_);
+  for (const int qpc : {0, 24}) {
+    SCOPED_TRACE(qpc == 0 ? "default work items" : "24 queries per item");
+    Choice choice;
+    choice.queries_per_item = qpc;
+    const cuda::detail::ScopedSelectedKernelChoice force(choice);
+    CheckSelectedAttention(idx);
   }
 }
 
