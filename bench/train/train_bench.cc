@@ -15,6 +15,7 @@
 //               [--cuda-graphs 0|1|0,1] [--torch-optim 1] [--fused-loss 0] [--breakdown 1]
 //               [--profile N] [--slc-dq auto|query|fused] [--slc-fwd auto|rows|heads|tiled|blocks]
 //               [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
+//               [--slc-order auto|block|position] [--slc-qpc N]
 //               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
 //               [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
@@ -28,8 +29,8 @@
 // two numbers agree is bound by the host (launch/dispatch overhead or a hidden sync), one
 // whose synchronised time is much larger is bound by the GPU.
 // --slc-dq / --slc-fwd / --slc-dkdv force where the selected branch's dQ comes from (the
-// query-side kernel or fused into the dK/dV kernel), its forward kernel and its dK/dV kernel
-// (kernels/kernel_choice.h),
+// query-side kernel or fused into the dK/dV kernel), its forward kernel and its dK/dV kernel,
+// --slc-order / --slc-qpc its dK/dV work items' order and size (kernels/kernel_choice.h),
 // for A/B runs of the training step in one invocation, and --win-fwd the window branch's
 // forward (the tiled kernel or FlashAttention-2's), --win-bwd its backward (the warpgroup-MMA
 // kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
@@ -431,13 +432,25 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--tiled-mma needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
-    } else if (flag == "--slc-dq" || flag == "--slc-fwd" || flag == "--slc-dkdv") {
+    } else if (flag == "--slc-dq" || flag == "--slc-fwd" || flag == "--slc-dkdv" || flag == "--slc-order" ||
+               flag == "--slc-qpc") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
       using nsad::bench::ParseChoiceFlag;
       auto choice = nsad::nsa::cuda::detail::GetSelectedKernelChoice();
-      const bool known = flag == "--slc-dq"    ? ParseChoiceFlag("--slc-dq", nsad::bench::kSlcDqNames, value, choice.dq)
-                         : flag == "--slc-fwd" ? ParseChoiceFlag("--slc-fwd", nsad::bench::kSlcFwdNames, value, choice.fwd)
-                                               : ParseChoiceFlag("--slc-dkdv", nsad::bench::kSlcDkDvNames, value, choice.dkdv);
+      bool known = true;
+      if (flag == "--slc-dq") known = ParseChoiceFlag("--slc-dq", nsad::bench::kSlcDqNames, value, choice.dq);
+      if (flag == "--slc-fwd") known = ParseChoiceFlag("--slc-fwd", nsad::bench::kSlcFwdNames, value, choice.fwd);
+      if (flag == "--slc-dkdv") known = ParseChoiceFlag("--slc-dkdv", nsad::bench::kSlcDkDvNames, value, choice.dkdv);
+      if (flag == "--slc-order") known = ParseChoiceFlag("--slc-order", nsad::bench::kSlcOrderNames, value, choice.order);
+      if (flag == "--slc-qpc") {
+        choice.queries_per_item = std::atoi(value.c_str());
+        known = choice.queries_per_item >= 0 &&
+                choice.queries_per_item <= nsad::nsa::cuda::detail::kMaxSelectedQueriesPerItem;
+        if (!known) {
+          std::fprintf(stderr, "--slc-qpc takes 0 (auto) or 1..%d\n",
+                       nsad::nsa::cuda::detail::kMaxSelectedQueriesPerItem);
+        }
+      }
       if (!known) return 2;
       nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
       std::printf("# selected kernels: %s %s\n", flag.c_str(), value.c_str());
