@@ -264,13 +264,6 @@ TEST(CompressBlocksTogether, MatchesTheDefinitionPerCompressor) {
   }
 }
 
-// tokens [B,T,G,D] -> their first `chunks` chunks of d tokens, [B,chunks,G,d,D] (a view).
-torch::Tensor AsChunks(const torch::Tensor& tokens, int64_t chunks, int64_t d) {
-  return tokens.narrow(1, 0, chunks * d)
-      .view({tokens.size(0), chunks, d, tokens.size(2), tokens.size(3)})
-      .permute({0, 1, 3, 2, 4});
-}
-
 // CompressChunksTogether takes the same tokens as their chunks [P,B,chunks,G,d,D] (what the
 // kv split writes on the CUDA backend): the same outputs and parameter gradients as
 // CompressBlocksTogether, and the chunks' gradient is the tokens' gradient in that layout.
@@ -282,8 +275,9 @@ TEST(CompressChunksTogether, MatchesCompressBlocksTogetherOnTheTokensChunks) {
       const Geometry g = CompressionGeometry(l, d);
       const int64_t N = NumCmpBlocks(T, g), chunks = N + l / d - 1;
       const auto [compressors, tokens, params] = RandomCompressions(B, T, G, D, l, hidden);
-      const auto stack =
-          torch::stack({AsChunks(tokens[0], chunks, d), AsChunks(tokens[1], chunks, d)}).detach().requires_grad_(true);
+      const auto stack = torch::stack({TokensAsChunks(tokens[0], chunks, d), TokensAsChunks(tokens[1], chunks, d)})
+                             .detach()
+                             .requires_grad_(true);
       const auto got = CompressChunksTogether(stack, compressors, g);
       const auto want = CompressBlocksTogether(tokens, compressors, g);
       ASSERT_EQ(got.size(), 2u);
@@ -297,7 +291,8 @@ TEST(CompressChunksTogether, MatchesCompressBlocksTogetherOnTheTokensChunks) {
       for (int p = 0; p < 2; ++p) {
         ASSERT_EQ(got[p].sizes(), want[p].sizes()) << where;
         EXPECT_LT(MaxDiff(got[p], want[p]), 1e-12) << "output " << p << where;
-        EXPECT_LT(MaxDiff(got_grads[0][p], AsChunks(want_grads[p], chunks, d)), 1e-12) << "chunks " << p << where;
+        EXPECT_LT(MaxDiff(got_grads[0][p], TokensAsChunks(want_grads[p], chunks, d)), 1e-12)
+            << "chunks " << p << where;
       }
       for (size_t i = 0; i < params.size(); ++i) {
         EXPECT_LT(MaxDiff(got_grads[1 + i], want_grads[2 + i]), 1e-12) << "parameter " << i << where;
@@ -330,8 +325,8 @@ TEST(RotateParts, GivesTheNamedPartsAsTheirChunks) {
   const auto& stack = parts.back();
   ASSERT_EQ(stack.sizes(), (std::vector<int64_t>{2, B, chunks, M, len, D}));
   EXPECT_TRUE(stack.is_contiguous());
-  EXPECT_TRUE(torch::equal(stack[0], AsChunks(plain[1], chunks, len)));
-  EXPECT_TRUE(torch::equal(stack[1], AsChunks(plain[2], chunks, len)));
+  EXPECT_TRUE(torch::equal(stack[0], TokensAsChunks(plain[1], chunks, len)));
+  EXPECT_TRUE(torch::equal(stack[1], TokensAsChunks(plain[2], chunks, len)));
   EXPECT_THROW(RotateParts(AttentionBackend::kReference, x, table, rotate, {}, PartChunks{3, 2, len, chunks}),
                c10::Error);
   EXPECT_THROW(RotateParts(AttentionBackend::kReference, x, table, rotate, {}, PartChunks{0, 1, len, 10}),

@@ -10,6 +10,13 @@
 #endif
 
 namespace nsad::nsa {
+
+torch::Tensor TokensAsChunks(const torch::Tensor& tokens, int64_t chunks, int64_t len) {
+  return tokens.narrow(1, 0, chunks * len)
+      .view({tokens.size(0), chunks, len, tokens.size(2), tokens.size(3)})
+      .permute({0, 1, 3, 2, 4});
+}
+
 namespace {
 
 // Block j = tokens [j d, j d + l) with the position encoding added, flattened, through first.
@@ -30,10 +37,7 @@ torch::Tensor HiddenByChunks(const torch::Tensor& tokens, const torch::Tensor& p
   const int64_t d = g.cmp_stride, r = g.cmp_block / g.cmp_stride, chunks = N + r - 1;
   const auto& w = first->weight;  // [hidden, l*D], columns (token of the block, feature)
   const int64_t hidden = w.size(0);
-  const auto chunked = tokens.narrow(1, 0, chunks * d)
-                           .view({B, chunks, d, G, D})
-                           .permute({0, 1, 3, 2, 4})
-                           .reshape({B, chunks, G, d * D});
+  const auto chunked = TokensAsChunks(tokens, chunks, d).reshape({B, chunks, G, d * D});
   const auto slices = w.view({hidden, r, d * D}).transpose(0, 1).reshape({r * hidden, d * D});
   const auto y = at::linear(chunked, slices);  // [B, chunks, G, r*hidden]
   auto sum = y.narrow(1, 0, N).narrow(3, 0, hidden);
@@ -91,8 +95,7 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
     } else {
       Xc = at::empty({P, B, chunks, G, d, D}, opts);
       for (int64_t p = 0; p < P; ++p) {
-        CopyInWords(Xc[p],
-                    in[p].narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}).to(ct));
+        CopyInWords(Xc[p], TokensAsChunks(in[p], chunks, d).to(ct));
       }
     }
     const auto prepared = Prepare(in, first, P, ct);
@@ -154,8 +157,7 @@ class CompressTogetherFn : public torch::autograd::Function<CompressTogetherFn> 
     for (int64_t p = 0; p < P; ++p) {
       if (!chunked) {
         auto dx = at::empty({B, T, G, D}, Xc.options().dtype(token_dtype));
-        CopyInWords(dx.narrow(1, 0, chunks * d).view({B, chunks, d, G, D}).permute({0, 1, 3, 2, 4}),
-                    dXc[p].to(token_dtype));
+        CopyInWords(TokensAsChunks(dx, chunks, d), dXc[p].to(token_dtype));
         if (T > chunks * d) dx.narrow(1, chunks * d, T - chunks * d).zero_();
         out[p] = dx;
       }

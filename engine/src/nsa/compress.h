@@ -24,6 +24,11 @@ torch::Tensor CompressBlocks(const torch::Tensor& tokens, const torch::Tensor& p
                              const torch::nn::Linear& first, const torch::nn::Linear& second,
                              const Geometry& g);
 
+// tokens [B,T,M,D] -> a view [B, chunks, M, len, D] of their first chunks * len positions:
+// chunk c holds positions c len .. c len + len - 1, its M rows side by side. The layout the
+// chunked compression's first GEMM reads (len = d) and the kv split can write (PartChunks).
+torch::Tensor TokensAsChunks(const torch::Tensor& tokens, int64_t chunks, int64_t len);
+
 // One compression MLP with its position encoding [l,D]; both layers have a bias.
 struct Compressor {
   torch::Tensor position_encoding;

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include "nsa/compress.h"
+
 #ifdef NSAD_HAVE_CUDA_KERNELS
 #include "fused_ops.h"
 #include "nsa_cuda.h"
@@ -140,7 +142,6 @@ std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Te
 #else
   UseCuda(backend);
 #endif
-  const int64_t B = x.size(0), M = x.size(3), D = x.size(4);
   TORCH_CHECK(!chunks.Any() || chunks.Fits(x.size(2), x.size(1)), "RotateParts: a chunk layout that does not fit x ",
               x.sizes());
   std::vector<torch::Tensor> parts, chunked;
@@ -152,9 +153,7 @@ std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Te
       continue;
     }
     parts.emplace_back();
-    chunked.push_back(out.narrow(1, 0, chunks.chunks * chunks.len)
-                          .view({B, chunks.chunks, chunks.len, M, D})
-                          .permute({0, 1, 3, 2, 4}));
+    chunked.push_back(TokensAsChunks(out, chunks.chunks, chunks.len));
   }
   if (chunks.Any()) parts.push_back(torch::stack(chunked));
   return parts;
