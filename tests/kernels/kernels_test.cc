@@ -518,6 +518,19 @@ TEST_P(KernelsTest, SelectBlocksMatchesTheRules) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// Output slots where the kernel's choice for importance [B,T,G,NS] differs from SelectRow's.
+int64_t SelectionMismatches(const torch::Tensor& importance, const Geometry& geo) {
+  const int64_t T = importance.size(1), G = importance.size(2), NS = importance.size(3);
+  const auto got = cuda::SelectBlocks(importance, T, geo).cpu();
+  const auto imp = importance.cpu().contiguous();
+  int64_t mismatches = 0;
+  for (int64_t row = 0; row < importance.size(0) * T * G; ++row) {
+    const auto want = SelectRow(imp.data_ptr<float>() + row * NS, (row / G) % T, NS, geo);
+    for (int64_t i = 0; i < geo.top_n; ++i) mismatches += got.data_ptr<int>()[row * geo.top_n + i] != want[i];
+  }
+  return mismatches;
+}
+
 TEST_P(KernelsTest, SelectBlocksResolvesTiesToTheLowerIndex) {
   const Case c = GetParam();
   const int64_t NS = NumSlcBlocks(c.T, geo_);
@@ -525,15 +538,19 @@ TEST_P(KernelsTest, SelectBlocksResolvesTiesToTheLowerIndex) {
   const auto importance =
       torch::randint(0, 3, {kBatch, c.T, c.G, NS}, torch::TensorOptions().device(torch::kCUDA))
           .to(torch::kFloat);
-  const auto got = cuda::SelectBlocks(importance, c.T, geo_).cpu();
-  const auto imp = importance.cpu().contiguous();
-  int64_t mismatches = 0;
-  for (int64_t row = 0; row < kBatch * c.T * c.G; ++row) {
-    const auto want = SelectRow(imp.data_ptr<float>() + row * NS, (row / c.G) % c.T, NS, geo_);
-    for (int64_t i = 0; i < geo_.top_n; ++i)
-      mismatches += got.data_ptr<int>()[row * geo_.top_n + i] != want[i];
-  }
-  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(SelectionMismatches(importance, geo_), 0);
+}
+
+// -0 and +0 are one value, tied like any other (the kernel finds equal values by their bits,
+// so it must make the zeros' bits one first).
+TEST_P(KernelsTest, SelectBlocksTiesZerosOfEitherSign) {
+  const Case c = GetParam();
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto opts = torch::TensorOptions().device(torch::kCUDA);
+  const auto pick = torch::randint(0, 3, {kBatch, c.T, c.G, NS}, opts);  // -0, +0 or 1
+  const auto importance = torch::where(pick == 0, torch::full({}, -0.f, opts), (pick - 1).to(torch::kFloat));
+  ASSERT_TRUE(torch::signbit(importance).any().item<bool>());
+  EXPECT_EQ(SelectionMismatches(importance, geo_), 0);
 }
 
 // The selection at the lengths the benchmarks use (64k tokens: 1,024 blocks per row, far more
