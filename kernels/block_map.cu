@@ -42,8 +42,8 @@ __global__ void SegmentKeysKernel(const int* __restrict__ block_idx, Key* __rest
   for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < entries; e += gridDim.x * blockDim.x) {
     const int blk = block_idx[e];
     const auto row_slot = div.slots.divmod(e);
-    bool repeat = false;  // the row's earlier slots: the same cache line, read by the row's neighbours too
-    for (uint32_t j = e - row_slot.mod; j < e; ++j) repeat |= block_idx[j] == blk;
+    // The row's earlier slots: the same cache line, read by the row's neighbours too.
+    const bool repeat = RepeatsEarlierSlot(block_idx + (e - row_slot.mod), static_cast<int>(row_slot.mod));
     const auto row_g = div.groups.divmod(row_slot.div);  // row = (b T + t) G + g
     const uint32_t b = div.positions.div(row_g.div);
     keys[e] = blk >= 0 && !repeat ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;

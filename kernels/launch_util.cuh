@@ -185,6 +185,18 @@ inline at::Tensor DeltaOrRowDot(const at::Tensor& given, const at::Tensor& dout,
   return given;
 }
 
+// Whether slot `slot` of a position's block list ([n] int32) repeats a block an earlier slot
+// listed. The selection is a set, as in the reference: every kernel counts a block once, the
+// query-side ones by skipping a repeat (the selection kernel never repeats a block; tests
+// do), the key-centric ones through the inverted map, whose segment keys drop them
+// (block_map.cu).
+__device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
+  const int blk = list[slot];
+  bool repeat = false;
+  for (int j = 0; j < slot; ++j) repeat |= list[j] == blk;
+  return repeat;
+}
+
 // A float32 tensor of zeros written by cudaMemsetAsync: at::zeros runs a fill kernel, which
 // wrote the backward's 200 MB dQ accumulator (64k, D=64, 12 heads) at about 1.2 TB/s.
 inline at::Tensor ZeroFloats(at::IntArrayRef sizes, const at::TensorOptions& options) {

@@ -114,17 +114,6 @@ Choice ChoiceFor(const at::Tensor& q, const Shape& s, int n) {
 // and slower at 64k backward (a sweep of 128/256/384/512 in an earlier call).
 int QueriesPerCta(const Choice& c) { return c.queries_per_item > 0 ? c.queries_per_item : kQueriesPerCta; }
 
-// Whether slot `slot` of a position's list repeats a block an earlier slot listed. The
-// selection is a set, as in the reference: every kernel counts a block once, the query-side
-// ones by skipping a repeat (the selection kernel never repeats a block; tests do), the
-// key-centric ones through the inverted map, which drops them (InvertBlockMap).
-__device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
-  const int blk = list[slot];
-  bool repeat = false;
-  for (int j = 0; j < slot; ++j) repeat |= list[j] == blk;
-  return repeat;
-}
-
 // Forward (and, with kDq, the dQ backward) of one (b, t, g) per warp on tensor cores.
 template <typename scalar_t, int D, bool kDq>
 __global__ void __launch_bounds__(mma::kMmaThreads)
