@@ -334,10 +334,12 @@ __host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, in
 // p: one m16 tile's P (kNt n8 tiles, C layout); x_row: staged X of the lane's row g, row
 // g + 8 eight rows on (x_ld floats per row). carry[h] (lane 3's, row g + 8h): in, the spill
 // of the key tile before into this tile's first selection block (0 for a first tile); out,
-// this tile's own last spill, which the caller stores (column 2 kNt) or carries on.
+// this tile's own last spill, which the caller stores (column 2 kNt) or carries on. With
+// n_end < kNt (warp-uniform) only the first n_end n8 tiles are mapped (the rest of P is 0),
+// and carry is the spill of tile n_end - 1, for column 2 n_end.
 template <int kNt>
 __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
-                                                   int lane, float (&carry)[2]) {
+                                                   int lane, float (&carry)[2], int n_end = kNt) {
   constexpr unsigned kAll = 0xffffffffu;
   const int c = lane & 3;
   const bool odd = (c & 1) != 0;
@@ -348,6 +350,7 @@ __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], flo
     float prev_spill = carry[h];  // lane 3: its spill of the n8 tile before
 #pragma unroll
     for (int n = 0; n < kNt; ++n) {
+      if (n >= n_end) break;
       const float p0 = p[n][2 * h], p1 = p[n][2 * h + 1];
       const float own = d * (2.f * p0 + (odd ? 1.f : 2.f) * p1);
       const float spill = odd ? d * p1 : 0.f;
@@ -650,103 +653,129 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
   mma::CpAsyncWaitAll();
   __syncthreads();
 
-  if (16 * warp < rows) {  // warp-uniform; idle warps only meet the barrier below
-    // Raw scores, -inf where the row does not see the key (and for a tile the CTA has none of).
-    float sc[Cfg::kTiles][1][kNt][4];
-    float mx[2] = {-INFINITY, -INFINITY};
+  // CTA-uniform bounds, in n8 tiles (8 keys) over both key tiles: those holding a key the
+  // CTA's last position sees (the rest is never computed: P = 0 there), and those whose keys
+  // its first position sees all of (no mask). Every branch on them is taken by the whole CTA,
+  // so the shuffles below stay convergent. A CTA's last tile holds 1-64 of its keys; at the
+  // training shape the bound skips about a fifth of the scores.
+  constexpr int kNtAll = Cfg::kTiles * kNt;
+  const int nt_used = (vis_end + 7) / 8;
+  const int nt_full = CmpVisible(t0, s.Tk, cmp_block, cmp_stride) / 8;
+
+  // A warp past the CTA's rows (the last slice of positions) computes on its zero rows and
+  // stores nothing: no branch on the warp around the shuffles.
+  // Raw scores, -inf where the row does not see the key; computed 32 keys at a time (four
+  // independent MMA chains between branches), masked and maxed per used n8 tile.
+  constexpr int kNtStep = 4;
+  float sc[Cfg::kTiles][1][kNt][4];
+  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
-      if (tile < tiles) smem_fwd::Scores<kBf16, D, 1, kN>(sc[tile], qf, smem_base + tile * 2 * Cfg::kTileBytes, lane);
+  for (int tile = 0; tile < Cfg::kTiles; ++tile) {
 #pragma unroll
-      for (int n = 0; n < kNt; ++n) {
+    for (int n0 = 0; n0 < kNt; n0 += kNtStep) {
+      if (tile * kNt + n0 >= nt_used) break;
+      float acc[kNtStep][1][4];
+#pragma unroll
+      for (int j = 0; j < kNtStep; ++j)
+        smem_fwd::ScoresN8<kBf16, D, 1>(acc[j], qf, smem_base + tile * 2 * Cfg::kTileBytes, n0 + j, lane);
+#pragma unroll
+      for (int j = 0; j < kNtStep; ++j) {
+        const int nt = tile * kNt + n0 + j;
+        if (nt >= nt_used) break;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1, key = tile * kN + 8 * n + 2 * c + (e & 1);
-          float& x = sc[tile][0][n][e];
-          x = tile < tiles && key < row_vis[h] ? x : -INFINITY;
+          const int h = e >> 1, key = 8 * nt + 2 * c + (e & 1);
+          float& x = sc[tile][0][n0 + j][e];
+          x = nt < nt_full || key < row_vis[h] ? acc[j][0][e] : -INFINITY;
           mx[h] = fmaxf(mx[h], x);
         }
       }
     }
-    // Exact row max and sum (log2 units), then P normalised in place.
-    float base[2], sum[2] = {0.f, 0.f}, inv[2], row_lse[2];
+  }
+  // Exact row max and sum (log2 units), then P normalised in place; 0 past nt_used.
+  float base[2], sum[2] = {0.f, 0.f}, inv[2], row_lse[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m = mma::QuadMax(mx[h]) * scale_log2;  // scale_log2 > 0 keeps the order
-      base[h] = m == -INFINITY ? 0.f : m;                 // a row that sees nothing: p = 0
+  for (int h = 0; h < 2; ++h) {
+    const float m = mma::QuadMax(mx[h]) * scale_log2;  // scale_log2 > 0 keeps the order
+    base[h] = m == -INFINITY ? 0.f : m;                 // a row that sees nothing: p = 0
+  }
+#pragma unroll
+  for (int nt = 0; nt < kNtAll; ++nt) {
+    float(&x)[4] = sc[nt / kNt][0][nt % kNt];
+    if (nt < nt_used) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[e] = mma::Exp2(fmaf(x[e], scale_log2, -base[e >> 1]));
+        sum[e >> 1] += x[e];
+      }
+    } else {
+      x[0] = x[1] = x[2] = x[3] = 0.f;
     }
+  }
 #pragma unroll
-    for (int tile = 0; tile < Cfg::kTiles; ++tile)
+  for (int h = 0; h < 2; ++h) {
+    const float l = mma::QuadSum(sum[h]);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    row_lse[h] = l > 0.f ? base[h] + log2f(l) : INFINITY;
+  }
 #pragma unroll
-      for (int n = 0; n < kNt; ++n)
+  for (int nt = 0; nt < kNtAll; ++nt) {
+    if (nt >= nt_used) break;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& x = sc[tile][0][n][e];
-          x = mma::Exp2(fmaf(x, scale_log2, -base[e >> 1]));
-          sum[e >> 1] += x;
-        }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = mma::QuadSum(sum[h]);
-      inv[h] = l > 0.f ? 1.f / l : 0.f;
-      row_lse[h] = l > 0.f ? base[h] + log2f(l) : INFINITY;
-    }
-#pragma unroll
-    for (int tile = 0; tile < Cfg::kTiles; ++tile)
-#pragma unroll
-      for (int n = 0; n < kNt; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[tile][0][n][e] *= inv[e >> 1];
+    for (int e = 0; e < 4; ++e) sc[nt / kNt][0][nt % kNt][e] *= inv[e >> 1];
+  }
 
-    // Importance: P onto selection blocks, the spill of tile 0's last key carried into tile 1.
-    float* const x_row = xs + (16 * warp + g) * Cfg::kXld;
-    float carry[2] = {0.f, 0.f};
-    const float overlap_d = static_cast<float>(cmp_stride);
+  // Importance: P onto selection blocks, the spill of tile 0's last key carried into tile 1;
+  // the last mapped n8 tile's spill goes to column 2 nt_used.
+  float* const x_row = xs + (16 * warp + g) * Cfg::kXld;
+  float carry[2] = {0.f, 0.f};
+  const float overlap_d = static_cast<float>(cmp_stride);
 #pragma unroll
-    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
-      if (tile < tiles)
-        QuadMapRowsCarried<kNt>(sc[tile][0], x_row + tile * Cfg::kBlocksPerTile, Cfg::kXld, overlap_d, lane, carry);
-    }
-    if (c == 3 && tiles > 0) {
-      x_row[tiles * Cfg::kBlocksPerTile] = carry[0];
-      x_row[8 * Cfg::kXld + tiles * Cfg::kBlocksPerTile] = carry[1];
-    }
+  for (int tile = 0; tile < Cfg::kTiles; ++tile) {
+    const int n_end = min(kNt, nt_used - tile * kNt);
+    if (n_end > 0)
+      QuadMapRowsCarried<kNt>(sc[tile][0], x_row + tile * Cfg::kBlocksPerTile, Cfg::kXld, overlap_d, lane, carry,
+                              n_end);
+  }
+  if (c == 3 && nt_used > 0) {
+    x_row[2 * nt_used] = carry[0];
+    x_row[8 * Cfg::kXld + 2 * nt_used] = carry[1];
+  }
 
-    // O = P V over both tiles, then the rows and their lse.
-    float o[D / 8][4];
+  // O = P V over the 16-key steps that hold a used n8 tile, then the rows and their lse.
+  float o[D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 #pragma unroll
-    for (int tile = 0; tile < Cfg::kTiles; ++tile) {
-      if (tile >= tiles) continue;
-      const uint32_t vbuf = smem_base + tile * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
+  for (int tile = 0; tile < Cfg::kTiles; ++tile) {
+    const uint32_t vbuf = smem_base + tile * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
 #pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        uint32_t a[4];
-        mma::PackA<kBf16>(a, sc[tile][0][2 * kk], sc[tile][0][2 * kk + 1]);
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      if (tile * kNt + 2 * kk >= nt_used) break;
+      uint32_t a[4];
+      mma::PackA<kBf16>(a, sc[tile][0][2 * kk], sc[tile][0][2 * kk + 1]);
 #pragma unroll
-        for (int p = 0; p < D / 16; ++p) {
-          uint32_t vb[4];
-          mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4)));
-          mma::Mma<kBf16>(o[2 * p], a[0], a[1], a[2], a[3], vb[0], vb[1]);
-          mma::Mma<kBf16>(o[2 * p + 1], a[0], a[1], a[2], a[3], vb[2], vb[3]);
-        }
+      for (int p = 0; p < D / 16; ++p) {
+        uint32_t vb[4];
+        mma::LdMatrixX4Trans(vb, vbuf + mma::SwizzledOffset<D>(16 * kk + (lane & 7) + (lane & 8), 2 * p + (lane >> 4)));
+        mma::Mma<kBf16>(o[2 * p], a[0], a[1], a[2], a[3], vb[0], vb[1]);
+        mma::Mma<kBf16>(o[2 * p + 1], a[0], a[1], a[2], a[3], vb[2], vb[3]);
       }
     }
+  }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (!lr.valid[0][h]) continue;
-      uint32_t* orow = reinterpret_cast<uint32_t*>(out + lr.index[0][h] * D);
+  for (int h = 0; h < 2; ++h) {
+    if (!lr.valid[0][h]) continue;
+    uint32_t* orow = reinterpret_cast<uint32_t*>(out + lr.index[0][h] * D);
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(o[i][2 * h], o[i][2 * h + 1]);
-      if (c == 0) lse[lr.index[0][h]] = row_lse[h];
-    }
+    for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(o[i][2 * h], o[i][2 * h + 1]);
+    if (c == 0) lse[lr.index[0][h]] = row_lse[h];
   }
   __syncthreads();  // every row's X is staged
 
   // The group's heads summed per (position, selection block) in a fixed order; blocks past
   // the columns the map wrote (no visible compressed block reaches them) are 0.
-  const int written = tiles == 0 ? 0 : tiles * Cfg::kBlocksPerTile + 1;
+  const int written = nt_used == 0 ? 0 : 2 * nt_used + 1;
   float* const imp_rows =
       importance + (static_cast<int64_t>(b) * s.T + t0) * s.G * NS + static_cast<int64_t>(grp) * NS;
   for (int i = threadIdx.x; i < positions * NS; i += Cfg::kThreads) {
@@ -834,8 +863,11 @@ __global__ void __launch_bounds__(CmpSmemCfg<D>::kThreads, D == 64 ? 2 : 1)
     const int key0 = tile * kN;
     const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes, vbuf = kbuf + Cfg::kTileBytes;
     const bool masked = key0 + kN > vis_min;
+    // The 16-key steps that hold a key the CTA's last position sees: the last tile holds 1-64
+    // of them (the rest would be masked to P = 0, a quarter of the steps at the training shape).
+    const int steps = min(kN / 16, (vis_end - key0 + 15) / 16);
 #pragma unroll 1  // the steps share nothing; unrolling them only raises register pressure
-    for (int kk = 0; kk < kN / 16; ++kk) {
+    for (int kk = 0; kk < steps; ++kk) {
       float sc[kM][2][4], dp[kM][2][4];
 #pragma unroll
       for (int m = 0; m < kM; ++m)

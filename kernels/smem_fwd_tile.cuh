@@ -84,29 +84,39 @@ __device__ __forceinline__ void LoadRowFragments(uint32_t (&qf)[kM][D / 16][4], 
   }
 }
 
+// sc[t] = Q K^T for keys 8n..8n+7 of the tile staged at kbuf (fresh accumulators): one
+// ldmatrix.x4 gives them for two k16 steps.
+template <bool kBf16, int D, int kM>
+__device__ __forceinline__ void ScoresN8(float (&sc)[kM][4], const uint32_t (&qf)[kM][D / 16][4], uint32_t kbuf,
+                                         int n, int lane) {
+#pragma unroll
+  for (int t = 0; t < kM; ++t) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
+#pragma unroll
+  for (int p = 0; p < D / 32; ++p) {
+    uint32_t kb[4];
+    mma::LdMatrixX4(kb, kbuf + mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3)));
+#pragma unroll
+    for (int t = 0; t < kM; ++t) {
+      const uint32_t(&a0)[4] = qf[t][2 * p];
+      const uint32_t(&a1)[4] = qf[t][2 * p + 1];
+      mma::Mma<kBf16>(sc[t], a0[0], a0[1], a0[2], a0[3], kb[0], kb[1]);
+      mma::Mma<kBf16>(sc[t], a1[0], a1[1], a1[2], a1[3], kb[2], kb[3]);
+    }
+  }
+}
+
 // sc = Q K^T for the kN keys staged at kbuf (fresh accumulators).
 template <bool kBf16, int D, int kM, int kN>
 __device__ __forceinline__ void Scores(float (&sc)[kM][kN / 8][4], const uint32_t (&qf)[kM][D / 16][4],
                                        uint32_t kbuf, int lane) {
 #pragma unroll
-  for (int t = 0; t < kM; ++t)
-#pragma unroll
-    for (int n = 0; n < kN / 8; ++n) sc[t][n][0] = sc[t][n][1] = sc[t][n][2] = sc[t][n][3] = 0.f;
-  // One ldmatrix.x4 gives keys 8n..8n+7 for two k16 steps.
-#pragma unroll
   for (int n = 0; n < kN / 8; ++n) {
+    float acc[kM][4];
+    ScoresN8<kBf16, D, kM>(acc, qf, kbuf, n, lane);
 #pragma unroll
-    for (int p = 0; p < D / 32; ++p) {
-      uint32_t kb[4];
-      mma::LdMatrixX4(kb, kbuf + mma::SwizzledOffset<D>(8 * n + (lane & 7), 4 * p + (lane >> 3)));
+    for (int t = 0; t < kM; ++t)
 #pragma unroll
-      for (int t = 0; t < kM; ++t) {
-        const uint32_t(&a0)[4] = qf[t][2 * p];
-        const uint32_t(&a1)[4] = qf[t][2 * p + 1];
-        mma::Mma<kBf16>(sc[t][n], a0[0], a0[1], a0[2], a0[3], kb[0], kb[1]);
-        mma::Mma<kBf16>(sc[t][n], a1[0], a1[1], a1[2], a1[3], kb[2], kb[3]);
-      }
-    }
+      for (int e = 0; e < 4; ++e) sc[t][n][e] = acc[t][e];
   }
 }
 
