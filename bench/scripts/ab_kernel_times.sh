@@ -3,7 +3,8 @@
 # nsa_bench's per-branch columns to resolve (a 15 us kernel change hides in their noise). Builds
 # this tree and PREV_TREE (via ab_device.sh, benches only), then alternates the two trees ROUNDS
 # times under ncu (no clock lock, no cache flush: as in a training step) on one nsa_bench shape,
-# printing the median duration of each matching kernel; then train_bench, alternated too.
+# printing the median duration of each matching kernel; then train_bench, alternated too
+# (ab_device.sh's loop).
 #   PREV_TREE=.prev KERNELS='CmpOnePass|CmpSmemDq' bench/scripts/ab_kernel_times.sh OUT_DIR
 # Env: KERNELS (ncu -k regex, required), PREV_TREE (required), ROUNDS [3],
 #      NSA_ARGS ["--seqs 2048 --batch 16 --dims 64 --heads 12:2 --reps 5 --warmup 1"],
@@ -41,10 +42,6 @@ PY
   done
 done
 [ "$train_args" = skip ] && exit 0
-for r in $(seq "${ROUNDS:-3}"); do
-  for tree in prev this; do
-    B=/tmp/build; [ "$tree" = prev ] && B=/tmp/build-prev
-    # shellcheck disable=SC2086
-    echo "$tree round $r: $(timeout 120 "$B/bench/train/train_bench" $train_args | tail -1)"
-  done
-done
+# The step, both trees alternated: ab_device.sh's own loop (its build is now a no-op).
+TEST_FILTER=skip NSA_ARGS=skip TRAIN_ARGS="$train_args" ROUNDS=${ROUNDS:-3} timeout 400 \
+  bench/scripts/ab_device.sh "$out" | grep -E "^==|nsa-cuda"
