@@ -155,6 +155,31 @@ struct SiluRowsFn : torch::autograd::Function<SiluRowsFn> {
   }
 };
 
+// gates = sigmoid(silu(u) W^T + b): differentiable w.r.t. u, W and b; w16 (W's 16-bit operand,
+// no gradient of its own) is what the kernels multiply by. Saves u, w16 and the gates.
+struct GateHeadFn : torch::autograd::Function<GateHeadFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& u, const torch::Tensor& weight,
+                               const torch::Tensor& bias, const torch::Tensor& w16, const GradientPart& du) {
+    RECORD_FUNCTION("nsa::gate_head_forward", std::vector<c10::IValue>());
+    auto gates = detail::GateHeadForward(u, w16, bias);
+    ctx->save_for_backward({u, w16, gates});
+    ctx->saved_data["du"] = du.ToSaved();
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
+    return gates;
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    RECORD_FUNCTION("nsa::gate_head_backward", std::vector<c10::IValue>());
+    const auto s = ctx->get_saved_variables();
+    if (!grads[0].defined()) return tensor_list(5);
+    const auto du_out = GradientPart::FromSaved(ctx->saved_data["du"]).Take(s[0].sizes());
+    auto [du, dw, db] = detail::GateHeadBackward(grads[0], s[2], s[0], s[1], du_out);
+    const auto wt = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const auto bt = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
+    return {du, dw.to(wt), db.to(bt), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 // Outputs (s, h); saves s and rstd (h is recomputable, not needed by the backward).
 struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& y,
@@ -266,6 +291,21 @@ torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.
 torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx) {
   TORCH_CHECK(FusedOpsTake(x), "SiluRows takes a bf16, fp16 or fp32 CUDA tensor");
   return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous(), dx);
+}
+
+bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias) {
+  return weight.dim() == 2 && weight.size(1) == u.size(-1) && bias.dim() == 1 && bias.size(0) == weight.size(0) &&
+         weight.device() == u.device() && bias.device() == u.device() && detail::GateHeadTakes(u, weight.size(0));
+}
+
+torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias,
+                       const torch::Tensor& w16, const GradientPart& du) {
+  TORCH_CHECK(GateHeadTakes(u, weight, bias), "GateHead takes u [.., K] (bf16/fp16 CUDA rows of one 16-byte-aligned "
+              "stride, K a multiple of 32), weight [N, K] and bias [N] with N even and at most 64; got u ", u.sizes(),
+              " ", u.scalar_type(), ", weight ", weight.sizes(), ", bias ", bias.sizes());
+  const auto operand = w16.defined() ? w16.detach() : weight.detach().to(u.scalar_type());
+  TORCH_CHECK(operand.sizes() == weight.sizes(), "GateHead: the weight's 16-bit copy must have its shape");
+  return GateHeadFn::apply(u, weight, bias, operand, du);
 }
 
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {

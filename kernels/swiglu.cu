@@ -121,17 +121,6 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// The row stride of x viewed as [rows, F] (unit stride in F, leading dims collapsing to one
-// stride), or -1 where they do not collapse.
-int64_t CollapsedRowStride(const at::Tensor& x) {
-  if (x.dim() == 0 || x.stride(-1) != 1) return -1;
-  if (x.dim() == 1) return x.size(0);
-  for (int64_t d = 0; d + 2 < x.dim(); ++d) {
-    if (x.size(d) != 1 && x.stride(d) != x.stride(d + 1) * x.size(d + 1)) return -1;
-  }
-  return x.stride(-2);
-}
-
 void CheckJoint(const at::Tensor& joint) {
   TORCH_CHECK(joint.is_cuda() && joint.is_contiguous() && joint.dim() >= 1 &&
                   joint.size(-1) % 2 == 0,
@@ -154,6 +143,17 @@ void LaunchRows(Wide wide, Narrow narrow, int64_t rows, int64_t F, int64_t row_s
 }
 
 }  // namespace
+
+// The row stride of x viewed as [rows, F] (unit stride in F, leading dims collapsing to one
+// stride), or -1 where they do not collapse.
+int64_t CollapsedRowStride(const at::Tensor& x) {
+  if (x.dim() == 0 || x.stride(-1) != 1) return -1;
+  if (x.dim() == 1) return x.size(0);
+  for (int64_t d = 0; d + 2 < x.dim(); ++d) {
+    if (x.size(d) != 1 && x.stride(d) != x.stride(d + 1) * x.size(d + 1)) return -1;
+  }
+  return x.stride(-2);
+}
 
 at::Tensor SwiGluForward(const at::Tensor& joint) {
   CheckJoint(joint);

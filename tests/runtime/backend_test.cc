@@ -31,7 +31,7 @@ class BackendTest : public ::testing::Test {
   }
   TrainConfig Tiny(const std::string& device, AttentionBackend backend) const {
     TrainConfig c;
-    c.model.dim = 64;
+    c.model.dim = 128;  // the gate MLP's hidden layer (dim / 4 = 32) takes the fused gate head
     c.model.n_layers = 2;
     c.model.n_heads = 4;
     c.model.n_kv_groups = 2;
@@ -61,8 +61,9 @@ class BackendTest : public ::testing::Test {
             nsa::LayersExecuted(AttentionBackend::kCuda) - cuda0};
   }
   // Fused calls per layer and step with the CUDA backend: RoPE of q, of the selected+window
-  // keys (one call) and of the compressed keys, the gate mixing, the gate MLP's silu, the
-  // residual add + the MLP's norm, the SwiGLU, and the gate statistics the step reads out.
+  // keys (one call) and of the compressed keys, the gate mixing, the gate MLP's head (silu,
+  // its output layer and sigmoid in one), the residual add + the MLP's norm, the SwiGLU, and
+  // the gate statistics the step reads out.
   static constexpr int64_t kFusedPerLayer = 8;
   // Per step of the 2-layer model: its layers, the first layer's attention norm, the previous
   // MLP output's residual add with the second layer's attention norm and with the final norm,

@@ -171,8 +171,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gate_logits = ApplyLinear(GateOutput(), Silu(backend_, projected[2], grad_parts[2]));
-  const auto gates = torch::sigmoid(gate_logits).view({B, T, H, 3});
+  const auto gates = GateHead(backend_, projected[2], GateOutput(), grad_parts[2]).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
                                   v_slc, k_win, v_win, gates, G, g, grad_parts[0]);

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include "model/shared_input_linear.h"
+#include "model/weight_copies.h"
 #include "nsa/compress.h"
 
 #ifdef NSAD_HAVE_CUDA_KERNELS
@@ -230,6 +232,22 @@ torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const Gradi
   UseCuda(backend);
 #endif
   return torch::silu(x);
+}
+
+torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::nn::Linear& out,
+                       const GradientPart& dx) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && out->bias.defined() && LinearComputeType(hidden) == hidden.scalar_type() &&
+      cuda::GateHeadTakes(hidden, out->weight, out->bias)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    torch::Tensor w16;
+    if (const auto* copies = UseWeightCopies::Current()) w16 = copies->Joint({out->weight}, hidden.scalar_type());
+    return cuda::GateHead(hidden, out->weight, out->bias, w16, dx);
+  }
+#else
+  UseCuda(backend);
+#endif
+  return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden, dx)));
 }
 
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,

@@ -93,6 +93,14 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // projection: the fused path reads the slice where it lies with 16-byte accesses, and
 // writes its gradient into dx when given (x's part of a SharedGradient).
 torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const GradientPart& dx = {});
+// The gate MLP after its first layer: sigmoid(out(silu(hidden))) for hidden [.., K], the first
+// layer's pre-activation (a column slice of the attention's joint projection), and out the
+// Linear K -> 3H. The fused path (CUDA backend, hidden in the compute type, bf16 or fp16, and
+// shapes cuda::GateHeadTakes takes) is one kernel each way (kernels/gate_head.cu): it reads the
+// weight's 16-bit copy where a UseWeightCopies scope holds one and writes hidden's gradient
+// into dx when given. Otherwise Silu, the linear layer (ApplyLinear) and sigmoid.
+torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::nn::Linear& out,
+                       const GradientPart& dx = {});
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes
@@ -108,7 +116,7 @@ torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& lo
 torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
                         const torch::Tensor& block_idx);
 // How many fused calls (RotateParts / MixBranches / AddRmsNorm / RmsNormOfResidual / SwiGlu / Silu /
-// CrossEntropyLoss / GateStats on the kernels) this process
+// GateHead / CrossEntropyLoss / GateStats on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 
