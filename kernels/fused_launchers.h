@@ -145,5 +145,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
 // branch's gate, their population standard deviations, and the mean count of entries >= 0
 // per (b, t, group).
 at::Tensor GateStats(const at::Tensor& gates, const at::Tensor& block_idx);
+// The same for every layer of a model at once: one gates and one block_idx per layer (each
+// layer's own shape; one gates dtype and one index dtype for all) -> float32 [L, 7], one launch
+// per 16 layers instead of a memset and a launch per layer.
+bool GateStatsOfLayersTake(const std::vector<at::Tensor>& gates, const std::vector<at::Tensor>& block_idx);
+at::Tensor GateStatsOfLayers(const std::vector<at::Tensor>& gates, const std::vector<at::Tensor>& block_idx);
 
 }  // namespace nsad::nsa::cuda::detail

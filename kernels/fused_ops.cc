@@ -313,6 +313,18 @@ torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_i
   return detail::GateStats(gates.detach(), block_idx.detach());
 }
 
+bool GateStatsOfLayersTake(const std::vector<torch::Tensor>& gates, const std::vector<torch::Tensor>& block_idx) {
+  return detail::GateStatsOfLayersTake(gates, block_idx);
+}
+
+torch::Tensor GateStatsOfLayers(const std::vector<torch::Tensor>& gates, const std::vector<torch::Tensor>& block_idx) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> g, i;
+  for (const auto& t : gates) g.push_back(t.detach());
+  for (const auto& t : block_idx) i.push_back(t.detach());
+  return detail::GateStatsOfLayers(g, i);
+}
+
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                            int64_t ignore_index, double expected_grad) {
   TORCH_CHECK(logits.dim() == 2, "cross-entropy takes logits [N, V], got ", logits.sizes());

@@ -91,5 +91,9 @@ torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& tar
 // [B,T,G,n] (-1 = no block) -> float32 [7] = mean of each branch's gate, their population
 // standard deviations, mean selected blocks per (position, group). Not differentiable.
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx);
+// GateStats of several layers at once (one gates and one block_idx per layer, one dtype each
+// across the layers: GateStatsOfLayersTake) -> float32 [L, 7], in one launch.
+bool GateStatsOfLayersTake(const std::vector<torch::Tensor>& gates, const std::vector<torch::Tensor>& block_idx);
+torch::Tensor GateStatsOfLayers(const std::vector<torch::Tensor>& gates, const std::vector<torch::Tensor>& block_idx);
 
 }  // namespace nsad::nsa::cuda

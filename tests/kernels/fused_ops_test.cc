@@ -444,6 +444,39 @@ TEST_P(FusedOpsTest, GateStatisticsMatchTheReference) {
   EXPECT_TRUE(torch::equal(constant, expected)) << constant;
 }
 
+// Many layers' statistics in one call (GateStatsOfLayers): 17 layers (two launches of up to 16),
+// each of its own length (T + l, so every tail past the kernel's 16-byte groups occurs), one
+// layer's gates a non-contiguous view, against the reference on each layer.
+TEST_P(FusedOpsTest, GateStatisticsOfManyLayersMatchTheReference) {
+  const FusedCase c = GetParam();
+  const int64_t G = 2, n = 5, L = 17;
+  for (const auto index_type : {torch::kInt, torch::kLong}) {
+    std::vector<torch::Tensor> gates, idx;
+    for (int64_t l = 0; l < L; ++l) {
+      auto g = torch::sigmoid(2 * torch::randn({c.B, c.T + l, c.H, 3}, Opts()));
+      if (l == 4) g = torch::sigmoid(torch::randn({c.T + l, c.B, c.H, 3}, Opts())).transpose(0, 1);
+      gates.push_back(g);
+      idx.push_back(torch::randint(-1, 9, {c.B, c.T + l, G, n}, Opts().dtype(index_type)));
+    }
+    ASSERT_TRUE(cuda::GateStatsOfLayersTake(gates, idx));
+    const auto got = cuda::GateStatsOfLayers(gates, idx).cpu().to(torch::kDouble);
+    ASSERT_EQ(got.sizes(), (std::vector<int64_t>{L, 7}));
+    for (int64_t l = 0; l < L; ++l) {
+      const auto flat64 = gates[l].cpu().to(torch::kDouble).reshape({-1, 3});
+      const auto want = torch::cat({flat64.mean(0), flat64.std(0, /*unbiased=*/false),
+                                    (idx[l].cpu() >= 0).sum(-1).to(torch::kDouble).mean().view({1})});
+      const auto diff = (got[l] - want).abs().max().item<double>();
+      EXPECT_LT(diff, 1e-5) << "layer " << l << " got " << got[l] << "\nwant " << want;
+    }
+  }
+  // Layers of two gate dtypes cannot share a launch.
+  const auto idx = torch::randint(-1, 9, {c.B, c.T, G, n}, Opts().dtype(torch::kInt));
+  const auto other = c.dtype == torch::kFloat ? torch::kHalf : torch::kFloat;
+  EXPECT_FALSE(cuda::GateStatsOfLayersTake({torch::rand({c.B, c.T, c.H, 3}, Opts()),
+                                            torch::rand({c.B, c.T, c.H, 3}, Opts().dtype(other))},
+                                           {idx, idx}));
+}
+
 // The joint [gate | up] projection through the fused SwiGLU and through float32 LibTorch:
 // output and the joint gradient. F = H*D takes the 16-byte path, F = H*D - 3 the one-element
 // path.

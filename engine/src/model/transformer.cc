@@ -231,12 +231,17 @@ torch::Tensor NsaTransformerImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor NsaTransformerImpl::last_gate_stats_tensor() const {
-  std::vector<torch::Tensor> rows;
-  for (const auto& block : *blocks_) rows.push_back(block->as<NsaBlockImpl>()->attn->last_stats_tensor());
-  const bool all_defined =
-      std::all_of(rows.begin(), rows.end(), [](const torch::Tensor& t) { return t.defined(); });
-  if (!all_defined || rows.empty()) return {};
-  return torch::stack(rows);
+  // All layers' statistics from one call (on the CUDA backend one launch, where a launch per
+  // layer cost a memset and a latency-bound pass each).
+  std::vector<torch::Tensor> gates, block_idx;
+  for (const auto& block : *blocks_) {
+    const auto& attn = block->as<NsaBlockImpl>()->attn;
+    if (!attn->last_gates().defined()) return {};
+    gates.push_back(attn->last_gates());
+    block_idx.push_back(attn->last_block_idx());
+  }
+  if (gates.empty()) return {};
+  return nsa::GateStatsOfLayers(backend_, gates, block_idx);
 }
 
 std::vector<LayerGateStats> NsaTransformerImpl::GateStatsFromValues(const torch::Tensor& values) {

@@ -38,8 +38,10 @@ class NsaAttentionImpl : public torch::nn::Module {
   // blocks), undefined before the first forward(); lets a caller copy all layers at once.
   torch::Tensor last_stats_tensor() const;
   static LayerGateStats StatsFromValues(int layer, const double* v);
-  // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics).
+  // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics),
+  // and its selected blocks [B,T,G,n] int32: what the statistics reduce.
   const torch::Tensor& last_gates() const { return last_gates_; }
+  const torch::Tensor& last_block_idx() const { return last_block_idx_; }
 
   // The weights of the layer's GEMMs (through SharedInputLinear), each GEMM's as its operand
   // stacks them: {q, kv, the gate MLP's first layer}, {the gate MLP's second} and {the output

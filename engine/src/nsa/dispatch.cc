@@ -282,6 +282,23 @@ torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
   return torch::cat({mean, stddev, selected});
 }
 
+torch::Tensor GateStatsOfLayers(AttentionBackend backend, const std::vector<torch::Tensor>& gates,
+                                const std::vector<torch::Tensor>& block_idx) {
+  torch::NoGradGuard no_grad;
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (UseCuda(backend) && cuda::GateStatsOfLayersTake(gates, block_idx)) {
+    fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return cuda::GateStatsOfLayers(gates, block_idx);
+  }
+#else
+  UseCuda(backend);
+#endif
+  TORCH_CHECK(gates.size() == block_idx.size(), "GateStatsOfLayers: one block_idx per layer's gates");
+  std::vector<torch::Tensor> rows;
+  for (size_t l = 0; l < gates.size(); ++l) rows.push_back(GateStats(backend, gates[l], block_idx[l]));
+  return torch::stack(rows);
+}
+
 int64_t FusedCallsExecuted() { return fused_calls.load(); }
 
 int64_t LayersExecuted(AttentionBackend backend) {

@@ -115,8 +115,12 @@ torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& lo
 // (kernels/gate_stats.cu) instead of eight LibTorch ops.
 torch::Tensor GateStats(AttentionBackend backend, const torch::Tensor& gates,
                         const torch::Tensor& block_idx);
+// The same for every layer of a model: gates[l], block_idx[l] -> float32 [L, 7]. The fused path
+// is one launch for all layers; otherwise GateStats per layer, stacked.
+torch::Tensor GateStatsOfLayers(AttentionBackend backend, const std::vector<torch::Tensor>& gates,
+                                const std::vector<torch::Tensor>& block_idx);
 // How many fused calls (RotateParts / MixBranches / AddRmsNorm / RmsNormOfResidual / SwiGlu / Silu /
-// GateHead / CrossEntropyLoss / GateStats on the kernels) this process
+// GateHead / CrossEntropyLoss / GateStats / GateStatsOfLayers on the kernels) this process
 // has run: lets tests prove that the reference backend never takes them.
 int64_t FusedCallsExecuted();
 
