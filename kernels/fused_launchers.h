@@ -98,12 +98,12 @@ void CrossEntropyRescaleGrad(at::Tensor& grad, const at::Tensor& grad_output, do
 // [.., F]; the backward returns the joint gradient [.., 2F].
 at::Tensor SwiGluForward(const at::Tensor& joint);
 at::Tensor SwiGluBackward(const at::Tensor& dout, const at::Tensor& joint);
-// silu(x) for x whose rows [.., F] have unit stride in F and one row stride (a column slice
-// of a wider tensor), returned contiguous; the backward returns dx contiguous, or writes it
-// into dx_out (x's shape and dtype, rows of one stride: a slice of a SharedGradient).
 // The row stride of x viewed as [rows, F] (unit stride in F, leading dims collapsing to one
 // stride), or -1 where they do not collapse.
 int64_t CollapsedRowStride(const at::Tensor& x);
+// silu(x) for x whose rows [.., F] have unit stride in F and one row stride (a column slice
+// of a wider tensor), returned contiguous; the backward returns dx contiguous, or writes it
+// into dx_out (x's shape and dtype, rows of one stride: a slice of a SharedGradient).
 bool SiluRowsTake(const at::Tensor& x);
 at::Tensor SiluRowsForward(const at::Tensor& x);
 at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x, const at::Tensor& dx_out = {});

@@ -390,23 +390,11 @@ __global__ void __launch_bounds__(kReduceWarps * 32)
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// f(scalar_t{}) for the 16-bit types the kernels take.
-template <typename F>
-void Dispatch16(at::ScalarType type, F&& f) {
-  if (type == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    TORCH_CHECK(type == at::kHalf, "the gate head's kernels take bf16 or fp16, got ", type);
-    f(at::Half{});
-  }
-}
 
 // W as the kernels read it: [N, K] contiguous 16-bit rows on 16-byte boundaries.
 at::Tensor KernelWeight(const at::Tensor& w16, const at::Tensor& u) {
   auto w = w16.to(u.scalar_type()).contiguous();
-  return Aligned16(w.data_ptr()) ? w : w.clone();
+  return AlignedFor(w, 8) ? w : w.clone();
 }
 
 }  // namespace
@@ -416,7 +404,7 @@ bool GateHeadTakes(const at::Tensor& u, int64_t outputs) {
     return false;
   }
   const int64_t K = u.size(-1), stride = CollapsedRowStride(u);
-  return K % 32 == 0 && K <= kMaxK && stride >= 0 && stride % 8 == 0 && Aligned16(u.data_ptr()) &&
+  return K % 32 == 0 && K <= kMaxK && stride >= 0 && stride % 8 == 0 && AlignedFor(u, 8) &&
          outputs >= 2 && outputs <= kMaxN && outputs % 2 == 0 && u.numel() / K < (int64_t{1} << 31);
 }
 
@@ -433,8 +421,7 @@ at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& w16, const at:
   sizes.back() = N;
   auto gates = at::empty(sizes, u.options());
   const dim3 grid(static_cast<unsigned>((M + kFwdWarps * 16 - 1) / (kFwdWarps * 16)));
-  Dispatch16(u.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(u.scalar_type(), "nsa_gate_head_forward", [&] {
     LaunchKernel(GateHeadForwardKernel<scalar_t>, grid, kFwdWarps * 32, ForwardSmemBytes(static_cast<int>(N), static_cast<int>(K)),
                  u.data_ptr<scalar_t>(),
                  CollapsedRowStride(u), w.data_ptr<scalar_t>(), b.data_ptr<float>(), gates.data_ptr<scalar_t>(), M,
@@ -455,15 +442,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> GateHeadBackward(const at::Tensor
   auto du = du_out.defined() ? du_out : at::empty(u.sizes(), u.options());
   const int64_t du_stride = CollapsedRowStride(du);
   TORCH_CHECK(du.sizes() == u.sizes() && du.scalar_type() == u.scalar_type() && du.device() == u.device() &&
-                  du_stride >= 0 && du_stride % 8 == 0 && Aligned16(du.data_ptr()),
+                  du_stride >= 0 && du_stride % 8 == 0 && AlignedFor(du, 8),
               "GateHeadBackward: du_out must be u's shape and dtype, rows of one 16-byte-aligned stride; got ",
               du.scalar_type(), " ", du.sizes(), " strides ", du.strides());
   const auto fopts = u.options().dtype(at::kFloat);
   auto dw = at::empty({N, K}, fopts), db = at::empty({N}, fopts);
   const int64_t ctas = (M + kBwdRows - 1) / kBwdRows;
   auto partial = at::empty({ctas, N * K + N}, fopts);
-  Dispatch16(u.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(u.scalar_type(), "nsa_gate_head_backward", [&] {
     LaunchKernel(GateHeadBackwardKernel<scalar_t>, dim3(static_cast<unsigned>(ctas)), kBwdWarps * 32,
                  BackwardSmemBytes(static_cast<int>(N), static_cast<int>(K)), dgates.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(),
                  CollapsedRowStride(u), w.data_ptr<scalar_t>(), du.data_ptr<scalar_t>(), du_stride,

@@ -154,7 +154,7 @@ at::Tensor GateStatsOfLayers(const std::vector<at::Tensor>& gates, const std::ve
   std::vector<at::Tensor> g(L), idx(L);
   const auto aligned = [](const at::Tensor& t) {
     const auto c = t.contiguous();
-    return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+    return AlignedFor(c, static_cast<int>(16 / c.element_size())) ? c : c.clone();
   };
   int64_t largest = 0;
   for (int64_t l = 0; l < L; ++l) {

@@ -9,7 +9,6 @@
 // (nsa/attention.cc). Norm weights start at 1, biases at 0.
 #include "model/transformer.h"
 
-#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 

@@ -34,9 +34,6 @@ class NsaAttentionImpl : public torch::nn::Module {
   // Gate statistics of the most recent forward(): gates [B,T,H,3] (cmp, slc, win) and the
   // mean number of selected blocks per query. Syncs with the device; call sparingly.
   LayerGateStats last_stats(int layer) const;
-  // The same numbers as a [7] float32 tensor on the device (3 means, 3 stddevs, selected
-  // blocks), undefined before the first forward(); lets a caller copy all layers at once.
-  torch::Tensor last_stats_tensor() const;
   static LayerGateStats StatsFromValues(int layer, const double* v);
   // The gates [B,T,H,3] of the most recent forward(), detached (for tests and diagnostics),
   // and its selected blocks [B,T,G,n] int32: what the statistics reduce.
@@ -53,6 +50,10 @@ class NsaAttentionImpl : public torch::nn::Module {
   std::vector<torch::nn::Linear> InputProjections() const;
   // The gate MLP's second layer (hidden -> 3 H gate logits).
   torch::nn::Linear GateOutput() const;
+  // last_stats' numbers as a [7] float32 tensor on the device (3 means, 3 stddevs, selected
+  // blocks), undefined before the first forward(). (The model reads all layers at once through
+  // nsa::GateStatsOfLayers.)
+  torch::Tensor last_stats_tensor() const;
   // tokens [B,T,G,D] -> one vector per compression block [B,N,G,D].
   torch::Tensor Compress(const torch::Tensor& tokens, const torch::Tensor& position_encoding,
                          const torch::nn::Sequential& mlp) const;
