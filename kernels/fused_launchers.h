@@ -1,7 +1,8 @@
 // Host-side entry points of the fused elementwise kernels of the attention module
 // (kernels/rope.cu, kernels/gate_mix.cu, kernels/gate_stats.cu), the block (kernels/swiglu.cu,
-// kernels/add_rms_norm.cu) and the loss (kernels/cross_entropy.cu),
-// called by the autograd functions in fused_ops.cc. Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
+// kernels/add_rms_norm.cu), the loss (kernels/cross_entropy.cu) and the embedding
+// (kernels/embedding_rows.cu), called by the autograd functions in fused_ops.cc (AddRowsAt: by the
+// engine's model/row_ops.cc). Plain ATen types only, like launchers.h. Inputs are bf16, fp16 or fp32; the arithmetic is
 // float32 and every output is rounded once to the input type.
 #pragma once
 
@@ -139,6 +140,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormForward(const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> AddRmsNormBackward(
     const at::Tensor& ds_in, const at::Tensor& dh, const at::Tensor& s, const at::Tensor& rstd,
     const at::Tensor& weight, bool want_dy = true);
+
+// dst[index[r]] += rows[r] for every row r (kernels/embedding_rows.cu): the token embedding's
+// backward. dst float32 [V, D], rows float32 [N, D] (rows 16-byte aligned, D a multiple of 4:
+// AddRowsAtTakes), index int64 [N]; an index outside [0, V) adds nothing. Float atomics: the
+// order of a row's additions, and so its last bits, vary from run to run.
+bool AddRowsAtTakes(const at::Tensor& dst, const at::Tensor& index, const at::Tensor& rows);
+void AddRowsAt(at::Tensor& dst, const at::Tensor& index, const at::Tensor& rows);
 
 // Gate statistics of one layer (kernels/gate_stats.cu): gates [B,T,H,3] (bf16, fp16 or fp32)
 // and block_idx [B,T,G,n] (int32 or int64, -1 = no block) -> float32 [7]: the mean of each

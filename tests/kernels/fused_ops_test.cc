@@ -215,6 +215,48 @@ TEST(FusedOpsKernels, RopeKernelsUseNoLocalMemory) {
   EXPECT_EQ(cuda::detail::RopeKernelsLocalBytes(), 0);
 }
 
+// The embedding's backward (AddRowsAt): rows added into the rows their indices name, against
+// index_add_ in float64 (float32 atomics in no fixed order: sums of up to ~400 rows of
+// magnitude ~1 agree far below 1e-5 relative; one row missing or doubled is ~3e-2). Covers a row stride wider than the rows (a column
+// slice), many rows on one index (the atomics' contention), indices outside [0, V) (add
+// nothing; every other row stays as it was) and the shapes AddRowsAtTakes refuses.
+TEST(FusedOpsKernels, AddRowsAtAddsEachRowIntoItsIndexsRow) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(41);
+  const auto opts = torch::TensorOptions(torch::kFloat).device(torch::kCUDA);
+  for (const int64_t D : {4, 24, 768}) {
+    const int64_t V = 97, N = 1500;
+    auto index = torch::randint(0, V, {N}, opts.dtype(torch::kLong));
+    index = torch::where(torch::rand({N}, opts) < 0.25, torch::full({}, 3, opts.dtype(torch::kLong)), index);
+    index.narrow(0, 7, 1).fill_(-1);
+    index.narrow(0, 11, 1).fill_(V);
+    const auto wide = torch::randn({N, D + 8}, opts);
+    const auto rows = wide.narrow(1, 4, D);  // a row stride of D + 8, 16-byte aligned
+    auto dst = torch::randn({V, D}, opts);
+    const auto before = dst.clone();
+    ASSERT_TRUE(cuda::detail::AddRowsAtTakes(dst, index, rows)) << "D " << D;
+    cuda::detail::AddRowsAt(dst, index, rows);
+    const auto valid = (index >= 0) & (index < V);
+    const auto ref = before.to(torch::kDouble).index_add(0, index.masked_select(valid),
+                                                         rows.to(torch::kDouble).index({valid}));
+    EXPECT_LT(((dst.to(torch::kDouble) - ref).norm() / ref.norm()).item<double>(), 1e-5) << "D " << D;
+    const auto touched = torch::zeros({V}, opts.dtype(torch::kBool)).index_fill_(0, index.masked_select(valid), true);
+    EXPECT_TRUE(torch::equal(dst.index({~touched}), before.index({~touched}))) << "D " << D;
+  }
+  const auto index = torch::zeros({8}, opts.dtype(torch::kLong));
+  auto dst = torch::zeros({5, 8}, opts);
+  EXPECT_FALSE(cuda::detail::AddRowsAtTakes(dst, index, torch::zeros({8, 8}, opts).narrow(1, 1, 6).contiguous()))
+      << "widths differ";
+  auto narrow_dst = torch::zeros({5, 6}, opts);
+  EXPECT_FALSE(cuda::detail::AddRowsAtTakes(narrow_dst, index, torch::zeros({8, 6}, opts))) << "D not a multiple of 4";
+  EXPECT_FALSE(cuda::detail::AddRowsAtTakes(dst, index, torch::zeros({65}, opts).as_strided({8, 8}, {8, 1}, 1)))
+      << "rows 4 bytes off 16-byte alignment";
+  EXPECT_FALSE(cuda::detail::AddRowsAtTakes(dst, index.to(torch::kInt), torch::zeros({8, 8}, opts))) << "int32 index";
+  EXPECT_FALSE(cuda::detail::AddRowsAtTakes(dst, index, torch::zeros({8, 8}, opts.dtype(torch::kBFloat16))))
+      << "bf16 rows";
+  EXPECT_THROW(cuda::detail::AddRowsAt(narrow_dst, index, torch::zeros({8, 6}, opts)), c10::Error);
+}
+
 // silu over column slices of a wider tensor, as the gate MLP's hidden layer lies in the
 // attention's joint projection: an aligned slice (16-byte path), one starting 3 elements in
 // (element path), and a transposed view whose rows do not collapse to one stride (copied

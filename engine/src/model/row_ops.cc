@@ -4,6 +4,10 @@
 
 #include <utility>
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
+#include "fused_launchers.h"
+#endif
+
 namespace nsad {
 
 torch::Tensor SumRows(const torch::Tensor& g) {
@@ -71,7 +75,15 @@ struct EmbeddingRowsFn : torch::autograd::Function<EmbeddingRowsFn> {
     } else {
       dw = at::zeros({vocab, dim}, g.options());
     }
-    dw.index_add_(0, tokens.reshape({-1}), g.reshape({-1, dim}));
+    const auto index = tokens.reshape({-1});
+    const auto rows = g.reshape({-1, dim});
+#ifdef NSAD_HAVE_CUDA_KERNELS
+    if (nsa::cuda::detail::AddRowsAtTakes(dw, index, rows)) {
+      nsa::cuda::detail::AddRowsAt(dw, index, rows);
+      return {dw, torch::Tensor(), torch::Tensor()};
+    }
+#endif
+    dw.index_add_(0, index, rows);
     return {dw, torch::Tensor(), torch::Tensor()};
   }
 };

@@ -35,11 +35,12 @@ class TiedGradient : public torch::CustomClassHolder {
 };
 
 // at::embedding(weight, tokens): the rows of weight [V, D] the tokens name. On CUDA its
-// backward adds each gradient row into its token's row (index_add_, float atomics: the sums'
-// order, and so their last bits, vary from run to run): 0.19 ms for the m7c step's 32768
-// tokens on an H100, where PyTorch's embedding backward, which sorts the tokens, took about
-// 0.49 ms; it adds them into tied->pending where the head left its gradient there. Elsewhere
-// PyTorch's own.
+// backward adds each gradient row into its token's row with float atomics (the sums' order,
+// and so their last bits, vary from run to run): 16 bytes per atomic in our kernel
+// (cuda::detail::AddRowsAt) where the rows allow it, else index_add_, which took 0.19 ms for
+// the m7c step's 32768 tokens on an H100 (PyTorch's embedding backward, which sorts the
+// tokens, about 0.49 ms); it adds them into tied->pending where the head left its gradient
+// there. Elsewhere PyTorch's own.
 torch::Tensor EmbeddingRows(const torch::Tensor& weight, const torch::Tensor& tokens,
                             const c10::intrusive_ptr<TiedGradient>& tied = {});
 // Whether EmbeddingRows(weight, ...) runs the node that takes a TiedGradient (CUDA, a weight
