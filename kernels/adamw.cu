@@ -12,6 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+
+#include "launch_util.cuh"
 
 namespace nsad::nsa::cuda::detail {
 namespace {
@@ -27,9 +30,10 @@ struct AdamWList {
   float* exp_avg[kAdamTensors];
   float* exp_avg_sq[kAdamTensors];
   const float* step[kAdamTensors];
+  void* copy[kAdamTensors];  // the parameter's 16-bit copy, or null
   int64_t numel[kAdamTensors];
   int first_cta[kAdamTensors + 1];  // tensor t owns CTAs [first_cta[t], first_cta[t + 1])
-  bool vec4[kAdamTensors];          // all four pointers 16-byte aligned
+  bool vec4[kAdamTensors];          // all four pointers 16-byte aligned, the copy's 8-byte
   int count;
 };
 
@@ -45,6 +49,9 @@ __device__ __forceinline__ void AdamWElement(float& p, float g, float& m, float&
   p -= step_size * m / (sqrtf(v) / bc2_sqrt + c.eps);
 }
 
+// The copies' element type: c10::BFloat16 or c10::Half (their conversions from float round
+// to nearest even, as Tensor::to does).
+template <typename copy_t>
 __global__ void __launch_bounds__(kAdamThreads)
     FusedAdamWKernel(AdamWList list, AdamWConsts c, const float* __restrict__ lr_ptr,
                      const float* __restrict__ scale_ptr, const float* __restrict__ found_inf_ptr) {
@@ -62,6 +69,7 @@ __global__ void __launch_bounds__(kAdamThreads)
   const float* const g = list.grad[t];
   float* const m = list.exp_avg[t];
   float* const v = list.exp_avg_sq[t];
+  copy_t* const copy = static_cast<copy_t*>(list.copy[t]);
   int64_t i = begin + threadIdx.x;
   if (list.vec4[t]) {
     const int64_t vec_end = begin + (end - begin) / 4 * 4;
@@ -76,13 +84,45 @@ __global__ void __launch_bounds__(kAdamThreads)
       *reinterpret_cast<float4*>(p + j) = pp;
       *reinterpret_cast<float4*>(m + j) = mm;
       *reinterpret_cast<float4*>(v + j) = vv;
+      if (copy != nullptr) {
+        Packed<copy_t, 4> out;
+        out.v[0] = copy_t(pp.x);
+        out.v[1] = copy_t(pp.y);
+        out.v[2] = copy_t(pp.z);
+        out.v[3] = copy_t(pp.w);
+        *reinterpret_cast<Packed<copy_t, 4>*>(copy + j) = out;
+      }
     }
     i = vec_end + threadIdx.x;  // the tail
   }
-  for (; i < end; i += kAdamThreads) AdamWElement(p[i], g[i] * scale, m[i], v[i], lr, step_size, bc2_sqrt, c);
+  for (; i < end; i += kAdamThreads) {
+    AdamWElement(p[i], g[i] * scale, m[i], v[i], lr, step_size, bc2_sqrt, c);
+    if (copy != nullptr) copy[i] = copy_t(p[i]);
+  }
 }
 
 bool Aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The dtype of the copies (all one), or nullopt where there are none; refuses what the kernel
+// cannot write.
+std::optional<at::ScalarType> CopiesType(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& copies) {
+  TORCH_CHECK(copies.empty() || copies.size() == params.size(), "FusedAdamW: ", copies.size(), " copies for ",
+              params.size(), " parameters");
+  std::optional<at::ScalarType> type;
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const auto& c = copies[i];
+    if (!c.defined()) continue;
+    TORCH_CHECK(c.scalar_type() == at::kBFloat16 || c.scalar_type() == at::kHalf,
+                "FusedAdamW: copy ", i, " must be bf16 or fp16, got ", c.scalar_type());
+    TORCH_CHECK(!type || *type == c.scalar_type(), "FusedAdamW: the copies must share one dtype, got ", *type,
+                " and ", c.scalar_type());
+    TORCH_CHECK(c.device() == params[i].device() && c.is_contiguous() && c.numel() == params[i].numel(),
+                "FusedAdamW: copy ", i, " must be contiguous, on its parameter's device, with its ",
+                params[i].numel(), " elements; got ", c.sizes(), " on ", c.device());
+    type = c.scalar_type();
+  }
+  return type;
+}
 
 }  // namespace
 
@@ -110,9 +150,11 @@ bool FusedAdamWTakes(const std::vector<at::Tensor>& params, const std::vector<at
 void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avg, const std::vector<at::Tensor>& exp_avg_sq,
                 const std::vector<at::Tensor>& steps, const at::Tensor& lr, double beta1, double beta2,
-                double weight_decay, double eps, const at::Tensor& grad_scale, const at::Tensor& found_inf) {
+                double weight_decay, double eps, const at::Tensor& grad_scale, const at::Tensor& found_inf,
+                const std::vector<at::Tensor>& copies) {
   TORCH_CHECK(FusedAdamWTakes(params, grads, exp_avg, exp_avg_sq, steps),
               "FusedAdamW takes float32 contiguous CUDA tensors of matching shapes");
+  const auto copies_type = CopiesType(params, copies);
   for (const at::Tensor* s : {&lr, &grad_scale, &found_inf}) {
     TORCH_CHECK(!s->defined() || (s->is_cuda() && s->scalar_type() == at::kFloat && s->numel() == 1),
                 "FusedAdamW: lr, grad_scale and found_inf are float32 CUDA scalars");
@@ -126,8 +168,9 @@ void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   AdamWList list{};
   const auto launch = [&] {
     if (list.count > 0 && list.first_cta[list.count] > 0) {
-      FusedAdamWKernel<<<list.first_cta[list.count], kAdamThreads, 0, stream>>>(list, consts, lr.data_ptr<float>(),
-                                                                                 scale_ptr, found_ptr);
+      const auto kernel = copies_type == at::kHalf ? FusedAdamWKernel<c10::Half> : FusedAdamWKernel<c10::BFloat16>;
+      kernel<<<list.first_cta[list.count], kAdamThreads, 0, stream>>>(list, consts, lr.data_ptr<float>(), scale_ptr,
+                                                                      found_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     list = AdamWList{};
@@ -142,12 +185,20 @@ void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     list.exp_avg[k] = exp_avg[i].data_ptr<float>();
     list.exp_avg_sq[k] = exp_avg_sq[i].data_ptr<float>();
     list.step[k] = steps[i].data_ptr<float>();
+    const bool copied = !copies.empty() && copies[i].defined();
+    list.copy[k] = copied ? copies[i].data_ptr() : nullptr;
     list.numel[k] = numel;
-    list.vec4[k] = Aligned16(params[i]) && Aligned16(grads[i]) && Aligned16(exp_avg[i]) && Aligned16(exp_avg_sq[i]);
+    list.vec4[k] = Aligned16(params[i]) && Aligned16(grads[i]) && Aligned16(exp_avg[i]) && Aligned16(exp_avg_sq[i]) &&
+                   (!copied || reinterpret_cast<uintptr_t>(list.copy[k]) % 8 == 0);
     list.first_cta[k + 1] = list.first_cta[k] + static_cast<int>(ctas);
     list.count = k + 1;
   }
   launch();
+  // Written in place through raw pointers: what an in-place op would record.
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].unsafeGetTensorImpl()->bump_version();
+    if (!copies.empty() && copies[i].defined()) copies[i].unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 }  // namespace nsad::nsa::cuda::detail

@@ -250,7 +250,9 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     const auto loss_value = loss.detach().to(torch::kFloat64);
     const auto norm = optimizer.ClipGradNorm(optim.grad_clip);
     mark();
-    optimizer.Step(nsad::AdamW::NonFiniteFlag(loss_value, norm));
+    nsad::WeightCopies* copies = nullptr;  // the trainer's: the update writes the NSA model's weight copies
+    if constexpr (std::is_same_v<Model, nsad::NsaTransformer>) copies = model->weight_copies_for_update();
+    optimizer.Step(nsad::AdamW::NonFiniteFlag(loss_value, norm), copies);
     std::vector<torch::Tensor> parts = {loss_value.reshape({1}), norm.to(torch::kFloat64).reshape({1})};
     if constexpr (std::is_same_v<Model, nsad::NsaTransformer>) {
       // The trainer's readout also carries every layer's gate statistics (GetGates).
@@ -302,6 +304,7 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
       legacy->zero_grad(true);
       readout = legacy_body(mark);
     } else if (graph && graph->captured()) {
+      if constexpr (std::is_same_v<Model, nsad::NsaTransformer>) model->RefreshStaleWeightCopies();
       readout = graph->Replay();
     } else {
       optimizer.ZeroGrad();

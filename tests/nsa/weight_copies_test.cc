@@ -1,8 +1,8 @@
 // The model's 16-bit weight copies (model/weight_copies.h): a GEMM's operand is a view of
 // the copies only where its weights are one group's consecutive members in order, the
-// copies follow the weights through in-place updates and new storage, and a refresh bumps
-// the version of any copy handed out before it (so autograd refuses a stale saved operand
-// instead of using it).
+// copies follow the weights through in-place updates and new storage (a refresh copies only
+// the weights whose version moved), and a refresh bumps the version of any copy handed out
+// before it (so autograd refuses a stale saved operand instead of using it).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -66,6 +66,43 @@ TEST(WeightCopies, RefreshFollowsTheWeightsAndBumpsOldCopiesVersion) {
   copies.Refresh({{a, b}}, torch::kHalf);
   EXPECT_FALSE(copies.Joint({a, b}, torch::kBFloat16).defined());
   EXPECT_TRUE(torch::equal(copies.Joint({a, b}, torch::kHalf), torch::cat({a, b}).detach().to(torch::kHalf)));
+}
+
+// A refresh copies only the weights whose copy is not current: none right after one, a weight
+// written in place since (its version moved), and none that a writer noted as written together
+// with its copy (NoteWrittenWith, as the optimizer's CUDA kernel does). CopyOf hands out a
+// weight's own copy and nothing for a weight without one.
+TEST(WeightCopies, ARefreshCopiesOnlyWhatIsNotCurrent) {
+  torch::manual_seed(3);
+  const auto a = Weight(3, 4), b = Weight(5, 4), c = Weight(2, 8), outside = Weight(3, 4);
+  const std::vector<std::vector<torch::Tensor>> groups = {{a, b}, {c}};
+  WeightCopies copies;
+  copies.Refresh(groups, torch::kBFloat16);
+  EXPECT_EQ(copies.weights_copied(), 3);
+  copies.Refresh(groups, torch::kBFloat16);
+  EXPECT_EQ(copies.weights_copied(), 3) << "every copy was current";
+
+  torch::NoGradGuard no_grad;
+  b.mul_(2.0);
+  copies.Refresh(groups, torch::kBFloat16);
+  EXPECT_EQ(copies.weights_copied(), 4) << "only b moved";
+  EXPECT_TRUE(torch::equal(copies.CopyOf(b), b.detach().to(torch::kBFloat16)));
+
+  // A writer that updates a weight and its copy together, then says so.
+  c.add_(1.0);
+  copies.CopyOf(c).copy_(c.detach());
+  copies.NoteWrittenWith({c, outside});
+  copies.Refresh(groups, torch::kBFloat16);
+  EXPECT_EQ(copies.weights_copied(), 4) << "c's copy was noted as written with it";
+  EXPECT_TRUE(torch::equal(copies.CopyOf(c), c.detach().to(torch::kBFloat16)));
+
+  // Written without a note: RefreshStale copies it as Refresh would.
+  a.sub_(1.0);
+  copies.RefreshStale();
+  EXPECT_EQ(copies.weights_copied(), 5);
+  EXPECT_TRUE(torch::equal(copies.CopyOf(a), a.detach().to(torch::kBFloat16)));
+  EXPECT_EQ(copies.CopyOf(a).data_ptr(), copies.Joint({a}, torch::kBFloat16).data_ptr());
+  EXPECT_FALSE(copies.CopyOf(outside).defined());
 }
 
 TEST(WeightCopies, RefusesAWeightInTwoGroupsAndAnythingButMatrices) {

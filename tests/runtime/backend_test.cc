@@ -18,6 +18,8 @@
 #include "nsa/compress.h"
 #include "nsa/dispatch.h"
 #include "nsad/engine.h"
+#include "trainer/optimizer.h"
+#include "trainer/step_graph.h"
 
 namespace nsad {
 namespace {
@@ -376,6 +378,116 @@ TEST(WeightCopiesOnCuda, TheModelReadsItsCopiesAndComputesWhatTheCastsDo) {
     torch::NoGradGuard no_grad;  // an optimizer-like in-place update before the next round
     for (auto& p : model->parameters()) p.add_(torch::randn_like(p) * 0.05);
   }
+}
+
+}  // namespace
+}  // namespace nsad
+
+namespace nsad {
+namespace {
+
+// The optimizer writes the model's weight copies as it updates the weights (AdamW::Step given
+// the model's copies): after every step each copy is its weight's cast bit for bit and the
+// next forward copies none of them, eager and replayed from a CUDA graph (whose captured
+// forward then copies nothing). A weight written by anything else (an in-place add here, as a
+// checkpoint's load would) is copied again: by the next eager forward, or before a replay by
+// RefreshStaleWeightCopies.
+TEST(WeightCopiesOnCuda, TheOptimizerKeepsTheCopiesCurrentEagerAndInAGraph) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING")) GTEST_SKIP() << "graphs need the caching allocator";
+  torch::manual_seed(12);
+  const torch::Device cuda(torch::kCUDA, 0);
+  ModelConfig config;
+  config.dim = 128;
+  config.n_layers = 2;
+  config.n_heads = 4;
+  config.n_kv_groups = 2;
+  config.head_dim = 64;
+  config.nsa = {16, 8, 32, 4, 64};
+  NsaTransformer model(config, AttentionBackend::kCuda);
+  model->to(cuda);
+  OptimConfig optim;
+  optim.lr = 1e-2f;  // large enough that every step moves bf16 values
+  optim.weight_decay = 0.1f;
+  optim.grad_clip = 1.0f;
+  AdamW optimizer = AdamW::ForModel(model->parameters(), optim);
+  optimizer.SetLr(optim.lr);
+  WeightCopies* copies = model->weight_copies_for_update();
+  ASSERT_NE(copies, nullptr);
+  StepGraph graph(cuda);
+  const auto stream = graph.UseStream();  // every step on the graph's stream, as the trainer runs them
+  const auto tokens = torch::randint(0, config.vocab_size, {2, 200}, torch::TensorOptions(cuda).dtype(torch::kLong));
+  const auto step = [&] {
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    const auto logits = model->forward(tokens);
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    const auto loss = logits.to(torch::kFloat).logsumexp(-1).mean();
+    loss.backward();
+    const auto norm = optimizer.ClipGradNorm(optim.grad_clip);
+    optimizer.Step(AdamW::NonFiniteFlag(loss.detach(), norm), copies);
+    return loss.detach();
+  };
+  // Per layer: q|kv|gate's three weights, the gate head, the out projection, the MLP's
+  // gate|up and down; then the tied embedding.
+  const int64_t weights = 8 * config.n_layers + 1;
+  const auto expect_current = [&](const std::string& when) {
+    torch::cuda::synchronize();
+    int64_t checked = 0;
+    for (const auto& p : model->parameters()) {
+      const auto copy = copies->CopyOf(p);
+      if (!copy.defined()) continue;
+      ++checked;
+      EXPECT_TRUE(torch::equal(copy, p.detach().to(torch::kBFloat16))) << when << ": " << p.sizes();
+    }
+    EXPECT_EQ(checked, weights) << when;
+  };
+  const auto some_weight = [&] {
+    for (const auto& p : model->parameters()) {
+      if (copies->CopyOf(p).defined()) return p;
+    }
+    return torch::Tensor();
+  };
+
+  optimizer.ZeroGrad();
+  step();
+  EXPECT_EQ(copies->weights_copied(), weights) << "the first forward copies every weight";
+  expect_current("after the first step");
+  const auto before = some_weight().detach().clone();
+  optimizer.ZeroGrad();
+  step();
+  EXPECT_EQ(copies->weights_copied(), weights) << "the optimizer kept every copy current";
+  expect_current("after the second step");
+  EXPECT_FALSE(torch::equal(before, some_weight().detach())) << "the weights must move";
+
+  {
+    torch::NoGradGuard no_grad;
+    some_weight().add_(0.5);
+  }
+  optimizer.ZeroGrad();
+  step();
+  EXPECT_EQ(copies->weights_copied(), weights + 1) << "a weight written elsewhere is copied by the next forward";
+  expect_current("after the third step");
+
+  optimizer.ZeroGrad();  // the captured backward allocates the gradients in the graph's pool
+  graph.Capture([&] { return step(); });
+  for (int replay = 0; replay < 3; ++replay) {
+    model->RefreshStaleWeightCopies();
+    const auto loss = graph.Replay();
+    EXPECT_TRUE(std::isfinite(loss.item<float>()));
+    expect_current("after replay " + std::to_string(replay));
+  }
+  EXPECT_EQ(copies->weights_copied(), weights + 1) << "neither the capture nor the replays copied a weight";
+  {
+    torch::NoGradGuard no_grad;
+    some_weight().add_(0.5);
+  }
+  model->RefreshStaleWeightCopies();
+  EXPECT_EQ(copies->weights_copied(), weights + 2);
+  expect_current("a weight written between replays, before the next replay");
+  graph.Replay();
+  expect_current("after the last replay");
 }
 
 }  // namespace

@@ -53,6 +53,15 @@ class NsaTransformerImpl : public torch::nn::Module {
   // in one multi-tensor copy and the GEMMs read those (model/weight_copies.h) instead of
   // each casting its own; same values. On by default; off only to compare (tests).
   void set_weight_copies(bool on) { weight_copies_on_ = on; }
+  // The copies, for the optimizer to write as it updates the weights (AdamW::Step; the next
+  // forward then copies only what it did not write); null while they are off.
+  WeightCopies* weight_copies_for_update() { return weight_copies_on_ ? &weight_copies_ : nullptr; }
+  // Copies the weights whose copy is no longer current (WeightCopies::RefreshStale): before
+  // replaying a captured step, whose forward copies nothing when the copies were current at
+  // capture.
+  void RefreshStaleWeightCopies() {
+    if (weight_copies_on_) weight_copies_.RefreshStale();
+  }
 
  private:
   // The dtype of the weight copies this forward reads, if it reads any.

@@ -33,6 +33,7 @@ void WeightCopies::Build(const std::vector<std::vector<torch::Tensor>>& groups, 
   flat_ = torch::Tensor();  // the old buffer goes before the new one is allocated
   sources_.clear();
   copies_.clear();
+  versions_.clear();
   slots_.clear();
   int64_t total = 0;
   torch::TensorOptions options;
@@ -49,19 +50,53 @@ void WeightCopies::Build(const std::vector<std::vector<torch::Tensor>>& groups, 
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t m = 0; m < groups[g].size(); ++m) {
       const auto& w = groups[g][m];
-      const bool added = slots_.emplace(w.unsafeGetTensorImpl(), Slot{g, m, offset, w.data_ptr()}).second;
+      const bool added =
+          slots_.emplace(w.unsafeGetTensorImpl(), Slot{g, m, sources_.size(), offset, w.data_ptr()}).second;
       TORCH_CHECK(added, "WeightCopies: a weight appears in two groups");
       sources_.push_back(w);
       copies_.push_back(flat_.narrow(0, offset, w.numel()).view(w.sizes()));
+      versions_.push_back(-1);
       offset += w.numel();
     }
   }
 }
 
 void WeightCopies::Refresh(const std::vector<std::vector<torch::Tensor>>& groups, at::ScalarType dtype) {
-  torch::NoGradGuard no_grad;
   if (!Fits(groups, dtype)) Build(groups, dtype);
-  if (!copies_.empty()) at::_foreach_copy_(copies_, sources_);
+  RefreshStale();
+}
+
+void WeightCopies::RefreshStale() {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> copies, sources;
+  std::vector<size_t> stale;
+  for (size_t k = 0; k < sources_.size(); ++k) {
+    if (sources_[k]._version() == versions_[k]) continue;
+    copies.push_back(copies_[k]);
+    sources.push_back(sources_[k]);
+    stale.push_back(k);
+  }
+  if (stale.empty()) return;
+  at::_foreach_copy_(copies, sources);
+  for (const size_t k : stale) versions_[k] = sources_[k]._version();
+  weights_copied_ += static_cast<int64_t>(stale.size());
+}
+
+const WeightCopies::Slot* WeightCopies::SlotOf(const torch::Tensor& weight) const {
+  const auto it = slots_.find(weight.unsafeGetTensorImpl());
+  if (it == slots_.end() || it->second.data != weight.data_ptr()) return nullptr;
+  return &it->second;
+}
+
+torch::Tensor WeightCopies::CopyOf(const torch::Tensor& weight) const {
+  const Slot* slot = SlotOf(weight);
+  return slot ? copies_[slot->index] : torch::Tensor();
+}
+
+void WeightCopies::NoteWrittenWith(const std::vector<torch::Tensor>& weights) {
+  for (const auto& w : weights) {
+    if (const Slot* slot = SlotOf(w)) versions_[slot->index] = w._version();
+  }
 }
 
 torch::Tensor WeightCopies::Joint(at::TensorList weights, at::ScalarType dtype) const {
@@ -70,9 +105,9 @@ torch::Tensor WeightCopies::Joint(at::TensorList weights, at::ScalarType dtype) 
   int64_t rows = 0, numel = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
-    const auto it = slots_.find(w.unsafeGetTensorImpl());
-    if (it == slots_.end() || it->second.data != w.data_ptr()) return {};
-    const Slot& slot = it->second;
+    const Slot* found = SlotOf(w);
+    if (found == nullptr) return {};
+    const Slot& slot = *found;
     if (i == 0) first = &slot;
     if (slot.group != first->group || slot.member != first->member + i || w.size(1) != weights[0].size(1)) return {};
     rows += w.size(0);

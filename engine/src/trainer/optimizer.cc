@@ -8,6 +8,8 @@
 #include <cmath>
 #include <string>
 
+#include "model/weight_copies.h"
+
 #ifdef NSAD_HAVE_CUDA_KERNELS
 #include "adamw.h"
 #endif
@@ -112,18 +114,18 @@ torch::Tensor AdamW::NonFiniteFlag(const torch::Tensor& loss, const torch::Tenso
   return torch::logical_not(torch::isfinite(values)).any().to(torch::kFloat32);
 }
 
-void AdamW::Step(const torch::Tensor& found_inf) {
+void AdamW::Step(const torch::Tensor& found_inf, WeightCopies* copies) {
   torch::NoGradGuard no_grad;
-  if (fused_) return StepFused(found_inf);
+  if (fused_) return StepFused(found_inf, copies);
   if (found_inf.defined() && found_inf.item<float>() != 0.0f) return;
   for (const Group& group : groups_) {
     for (size_t i = group.begin; i < group.end; ++i) StepPerTensor(group, i);
   }
 }
 
-void AdamW::StepFused(const torch::Tensor& found_inf) {
+void AdamW::StepFused(const torch::Tensor& found_inf, WeightCopies* copies) {
   for (const Group& group : groups_) {
-    std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+    std::vector<torch::Tensor> params, grads, exp_avg, exp_avg_sq, steps, weight_copies;
     for (size_t i = group.begin; i < group.end; ++i) {
       if (!params_[i].grad().defined()) continue;
       params.push_back(params_[i]);
@@ -131,6 +133,7 @@ void AdamW::StepFused(const torch::Tensor& found_inf) {
       exp_avg.push_back(exp_avg_[i]);
       exp_avg_sq.push_back(exp_avg_sq_[i]);
       steps.push_back(steps_[i]);
+      weight_copies.push_back(copies ? copies->CopyOf(params_[i]) : torch::Tensor());
     }
     if (params.empty()) continue;
     // The kernel reads the step count (bias correction) but does not advance it; a skipped
@@ -143,7 +146,8 @@ void AdamW::StepFused(const torch::Tensor& found_inf) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
     if (own_kernel_ && nsa::cuda::detail::FusedAdamWTakes(params, grads, exp_avg, exp_avg_sq, steps)) {
       nsa::cuda::detail::FusedAdamW(params, grads, exp_avg, exp_avg_sq, steps, lr_tensor_, beta1_, beta2_,
-                               group.weight_decay, eps_, pending_clip_, found_inf);
+                                    group.weight_decay, eps_, pending_clip_, found_inf, weight_copies);
+      if (copies) copies->NoteWrittenWith(params);  // those without a copy are ignored
       continue;
     }
 #endif

@@ -10,7 +10,8 @@
 // _foreach_mul_). Nothing reads
 // the device from the host, so a whole training step can be captured in a CUDA graph. A
 // step is skipped on the device through `found_inf` (a float 0/1 scalar on the device): the
-// fused kernel then leaves weights and moments untouched and the step counts stay.
+// fused kernel then leaves weights and moments untouched and the step counts stay. Our kernel
+// can also write the model's 16-bit weight copies as it writes the weights (Step's `copies`).
 //
 // On the CPU the same AdamW and clipping maths run per tensor, exactly as LibTorch's
 // torch::optim::AdamW and clip_grad_norm_ compute them (bit-for-bit: the CPU tests compare
@@ -24,6 +25,8 @@
 #include "nsad/config.h"
 
 namespace nsad {
+
+class WeightCopies;  // model/weight_copies.h
 
 class AdamW {
  public:
@@ -52,8 +55,11 @@ class AdamW {
 
   // One AdamW update of every parameter with a gradient; none at all if `found_inf` (see
   // NonFiniteFlag; undefined = never skip) is 1: weights, moments and step counts keep
-  // their values.
-  void Step(const torch::Tensor& found_inf = {});
+  // their values. With `copies` (the model's 16-bit weight copies), our CUDA kernel also
+  // writes the new value of each weight that has a copy into it and records that with the
+  // copies (WeightCopies::NoteWrittenWith), so that the next forward does not copy them
+  // again; elsewhere the copies are left alone and that forward refreshes them.
+  void Step(const torch::Tensor& found_inf = {}, WeightCopies* copies = nullptr);
 
   void ZeroGrad();  // sets gradients to none (and drops a clip factor not yet applied)
 
@@ -74,7 +80,7 @@ class AdamW {
   // per-tensor norms in that order, as clip_grad_norm_(model->parameters()) does (float
   // addition is not associative; another order moves the clip factor's last bits).
   std::vector<torch::Tensor> GradsInModelOrder() const;
-  void StepFused(const torch::Tensor& found_inf);
+  void StepFused(const torch::Tensor& found_inf, WeightCopies* copies);
   void StepPerTensor(const Group& group, size_t i);
 
   std::vector<torch::Tensor> params_, exp_avg_, exp_avg_sq_;

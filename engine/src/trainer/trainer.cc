@@ -251,7 +251,7 @@ class TorchTrainer final : public Trainer {
   // statistics of the last forward (n_layers x 7)] as float64.
   torch::Tensor ClipAndUpdate(const torch::Tensor& loss_sum) {
     const auto grad_norm = optimizer_->ClipGradNorm(config_.optim.grad_clip);
-    optimizer_->Step(AdamW::NonFiniteFlag(loss_sum, grad_norm));
+    optimizer_->Step(AdamW::NonFiniteFlag(loss_sum, grad_norm), model_->weight_copies_for_update());
     std::vector<torch::Tensor> parts = {loss_sum.reshape({1}), grad_norm.to(torch::kFloat64).reshape({1})};
     const auto gates = model_->last_gate_stats_tensor();
     if (gates.defined()) parts.push_back(gates.detach().to(torch::kFloat64).flatten());
@@ -283,6 +283,7 @@ class TorchTrainer final : public Trainer {
     } else {
       static_batch_.copy_(batch);
     }
+    model_->RefreshStaleWeightCopies();
     return graph_->Replay();
   }
 
