@@ -29,8 +29,9 @@ constexpr int kMaxRopeParts = 8;
 std::vector<at::Tensor> RopeForward(const at::Tensor& x, const at::Tensor& cos,
                                     const at::Tensor& sin, uint32_t rotate_mask, const PartChunks& chunks = {});
 // The backward: the P part gradients [B,T,M,D], inversely rotated where rotated in the
-// forward -> dx [B,T,P,M,D] contiguous, in the parts' dtype, or in dx_type from float32
-// gradients (a float32 sum rounded once, on the way). Given dx_out ([B,T,P,M,D] of that
+// forward -> dx [B,T,P,M,D] contiguous, in dx_type (default: the dtype of the first part
+// outside the chunk layout). Each part's gradient is of dx's dtype or float32 (a float32 sum,
+// rounded once on the way: the query's summed dq, the selected branch's dK/dV). Given dx_out ([B,T,P,M,D] of that
 // dtype, any strides with unit stride in D: a slice of a SharedGradient), written there and
 // returned. The gradients of parts in `chunks` come in its chunk layout [B,chunks,M,len,D];
 // dx at the positions the chunks leave out is zero for them.

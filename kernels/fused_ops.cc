@@ -18,14 +18,21 @@ using torch::autograd::tensor_list;
 struct RopeFn : torch::autograd::Function<RopeFn> {
   static tensor_list forward(AutogradContext* ctx, const torch::Tensor& x,
                              const torch::Tensor& cos, const torch::Tensor& sin,
-                             int64_t rotate_mask, const GradientPart& dx, std::vector<int64_t> chunk_spec) {
+                             int64_t rotate_mask, const GradientPart& dx, std::vector<int64_t> chunk_spec,
+                             const c10::intrusive_ptr<GradientHandoff>& handoff) {
     RECORD_FUNCTION("nsa::rope_forward", std::vector<c10::IValue>());
     const PartChunks chunks = ChunksFrom(chunk_spec);
+    TORCH_CHECK(!handoff || handoff->size() == static_cast<size_t>(x.size(2)), "RoPE: a handoff of ",
+                handoff ? handoff->size() : 0, " slots for ", x.size(2), " parts");
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["rotate_mask"] = rotate_mask;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["dx"] = dx.ToSaved();
     ctx->saved_data["chunks"] = chunk_spec;
+    ctx->saved_data["handoff"] = GradientHandoff::ToSaved(handoff);
+    // Undefined gradients stay undefined: a part may take its gradient from the handoff.
+    ctx->set_materialize_grads(false);
     auto parts = detail::RopeForward(x, cos, sin, static_cast<uint32_t>(rotate_mask), chunks);
     if (!chunks.Any()) return parts;
     tensor_list outs;
@@ -35,20 +42,33 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
     outs.push_back(parts.back());
     return outs;
   }
-  // Parts whose output the loss does not use get zero gradients (autograd materialises
-  // them), so the kernel always sees P gradients.
+  // A part whose gradient autograd leaves undefined takes the handoff's (a float32 one is
+  // rounded by the kernel), else zeros (the loss does not use that part), so the kernel always
+  // sees P gradients.
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::rope_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
     const auto mask = static_cast<uint32_t>(ctx->saved_data["rotate_mask"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const auto x_type = static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt());
     const PartChunks chunks = ChunksFrom(ctx->saved_data["chunks"].toIntVector());
-    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(x_sizes);
+    const auto handoff = GradientHandoff::FromSaved(ctx->saved_data["handoff"]);
+    const auto options = s[0].options().dtype(x_type);
+    const int64_t B = x_sizes[0], T = x_sizes[1], M = x_sizes[3], D = x_sizes[4];
+    const torch::Tensor stack = chunks.Any() ? grads.back() : torch::Tensor();
     tensor_list part_grads;
     for (int64_t p = 0, plain = 0; p < x_sizes[2]; ++p) {
-      part_grads.push_back(chunks.Holds(p) ? grads.back()[p - chunks.first] : grads[plain++]);
+      const bool chunked = chunks.Holds(p);
+      torch::Tensor g = chunked ? (stack.defined() ? stack[p - chunks.first] : torch::Tensor()) : grads[plain++];
+      if (!g.defined() && handoff) g = handoff->Take(p);
+      if (!g.defined()) {
+        g = chunked ? torch::zeros({B, chunks.chunks, M, chunks.len, D}, options) : torch::zeros({B, T, M, D}, options);
+      }
+      part_grads.push_back(g);
     }
-    return {detail::RopeBackward(part_grads, s[0], s[1], mask, std::nullopt, dx, chunks),
+    const auto dx = GradientPart::FromSaved(ctx->saved_data["dx"]).Take(x_sizes);
+    return {detail::RopeBackward(part_grads, s[0], s[1], mask, x_type, dx, chunks),
+            torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
             torch::Tensor(),
@@ -240,7 +260,8 @@ bool FusedOpsTake(const torch::Tensor& t) {
 
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
                                           const torch::Tensor& sin, const std::vector<bool>& rotate,
-                                          const GradientPart& dx, const PartChunks& chunks) {
+                                          const GradientPart& dx, const PartChunks& chunks,
+                                          const c10::intrusive_ptr<GradientHandoff>& handoff) {
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "rotate must name each of the ",
               x.size(2), " parts, got ", rotate.size());
@@ -248,7 +269,12 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
   for (size_t p = 0; p < rotate.size(); ++p) mask |= rotate[p] ? int64_t{1} << p : 0;
   // The kernel reads any row layout but needs the pairs of a row in unit stride.
   const auto input = x.stride(4) == 1 ? x : x.contiguous();
-  auto outs = RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask, dx, RopeFn::ChunkSpec(chunks));
+  auto outs = RopeFn::apply(input, cos.contiguous(), sin.contiguous(), mask, dx, RopeFn::ChunkSpec(chunks), handoff);
+  if (handoff) {
+    for (int64_t p = 0, plain = 0; p < x.size(2); ++p) {
+      if (!chunks.Holds(p)) handoff->RecordOutput(p, outs[plain++]);
+    }
+  }
   if (!chunks.Any()) return outs;
   // P parts (undefined where chunked), then the stack.
   std::vector<torch::Tensor> parts;

@@ -26,10 +26,13 @@ bool FusedOpsTake(const torch::Tensor& t);
 // ApplyRope(x[:,:,p], table) up to the rounding of the result to x's dtype. Given dx (x's
 // part of a SharedGradient), the gradient is written there instead. With chunks, the parts
 // it names come out as one tensor in its chunk layout (nsa/part_chunks.h), returned after the
-// P parts, whose entries for those parts are undefined.
+// P parts, whose entries for those parts are undefined. With handoff (one slot per part), a
+// part whose gradient autograd leaves undefined takes the one a consumer's backward put into
+// its slot (of x's dtype or float32: GradientHandoff); a part with neither gets zeros.
 std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::Tensor& cos,
                                           const torch::Tensor& sin, const std::vector<bool>& rotate,
-                                          const GradientPart& dx = {}, const PartChunks& chunks = {});
+                                          const GradientPart& dx = {}, const PartChunks& chunks = {},
+                                          const c10::intrusive_ptr<GradientHandoff>& handoff = {});
 
 // gates [B,T,H,3]; o_cmp, o_slc, o_win [B,T,H,D], one dtype ->
 // gates[...,0] * o_cmp + gates[...,1] * o_slc + gates[...,2] * o_win, differentiable w.r.t.

@@ -37,11 +37,14 @@ std::tuple<at::Tensor, at::Tensor> SelectedForward(const at::Tensor& q, const at
 // backward does); undefined, the backward computes it (RowDot).
 // With ahead (from StartSelectedBackwardMap on these inputs), the block map it built is used
 // instead of building one here; this stream waits for it first.
+// round_dkdv false: dk and dv come back as the kernel's float32 sums, for a caller that rounds
+// them later in a pass it makes anyway (RoPE's backward of the kv projection, GradientHandoff).
 struct PendingBlockMap;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum = nullptr, const at::Tensor& delta = {}, PendingBlockMap* ahead = nullptr);
+    at::Tensor* dq_sum = nullptr, const at::Tensor& delta = {}, PendingBlockMap* ahead = nullptr,
+    bool round_dkdv = true);
 // Starts the selected backward's first step, the inverted block map (block_map.h: ten small
 // kernels, latency-bound), on a side stream that waits for the current one, so that it
 // overlaps what the caller runs before SelectedBackward; the result goes to SelectedBackward,

@@ -304,7 +304,8 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
                              const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                              const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
                              const torch::Tensor& rope_cos, const torch::Tensor& rope_sin, const Geometry& g,
-                             bool dense_cmp, bool tiled_forward, bool wgmma_backward, const GradientPart& dq) {
+                             bool dense_cmp, bool tiled_forward, bool wgmma_backward, const GradientPart& dq,
+                             const HandoffSlot& dk_slc_to, const HandoffSlot& dv_slc_to) {
     RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
     const auto q = detail::RopeForward(q_unrotated.unsqueeze(2), rope_cos, rope_sin, 1u)[0];
@@ -321,6 +322,11 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     ctx->saved_data["dense_cmp"] = dense_cmp;
     ctx->saved_data["wgmma_backward"] = wgmma_backward;
     ctx->saved_data["dq"] = dq.ToSaved();
+    if (dk_slc_to.to && dv_slc_to.to) {
+      ctx->saved_data["slc_handoff"] = c10::ivalue::Tuple::create(
+          {GradientHandoff::ToSaved(dk_slc_to.to), static_cast<int64_t>(dk_slc_to.index),
+           GradientHandoff::ToSaved(dv_slc_to.to), static_cast<int64_t>(dv_slc_to.index)});
+    }
     ctx->mark_non_differentiable({block_idx});
     ctx->set_materialize_grads(false);
     return {mixed, block_idx};
@@ -328,7 +334,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::branches_mixed_backward", std::vector<c10::IValue>());
     const torch::Tensor none;
-    if (!grads[0].defined()) return tensor_list(15);
+    if (!grads[0].defined()) return tensor_list(17);
     const auto s = ctx->get_saved_variables();
     const auto& q = s[0];
     const Geometry g = LoadGeometry(ctx);
@@ -356,16 +362,25 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     const CompressedSaved c{s[3], none, branch_lse(0, s[4]), s[5], s[6], s[7], s[8]};
     auto [dq_c, dk_cmp, dv_cmp] =
         CompressedGradients(branch_dout(d_cmp), q, s[1], s[2], c, geo, dense_cmp, &dq_sum, deltas[0]);
+    // Handed to RoPE's backward as the kernel's float32 sums (GradientHandoff), rounded there.
+    const auto handoff = ctx->saved_data.find("slc_handoff");
+    const bool hand_off = handoff != ctx->saved_data.end();
     auto [dq_s, dk_slc, dv_slc] =
         detail::SelectedBackward(branch_dout(d_slc), q, s[9], s[10], s[11], branch_lse(1, s[12]), s[13], geo,
-                                 &dq_sum, deltas[1], selected_map.get());
+                                 &dq_sum, deltas[1], selected_map.get(), /*round_dkdv=*/!hand_off);
+    if (hand_off) {
+      const auto& h = handoff->second.toTupleRef().elements();
+      GradientHandoff::FromSaved(h[0])->Put(static_cast<size_t>(h[1].toInt()), std::exchange(dk_slc, {}));
+      GradientHandoff::FromSaved(h[2])->Put(static_cast<size_t>(h[3].toInt()), std::exchange(dv_slc, {}));
+    }
     auto [dq_w, dk_win, dv_win] =
         WindowGradients(branch_dout(d_win), q, s[14], s[15], {s[16], branch_lse(2, s[17]), s[18], s[19]},
                         g.window, wgmma_backward, &dq_sum, deltas[2]);
     // The float32 sum goes through RoPE's backward and is rounded there: one pass.
     const auto dq_out = GradientPart::FromSaved(ctx->saved_data["dq"]).Take(q.unsqueeze(2).sizes());
     auto dq = detail::RopeBackward({dq_sum}, s[21], s[22], 1u, q.scalar_type(), dq_out).view(q.sizes());
-    return {dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none, none, none, none, none, none, none};
+    return {dq,   dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates, none,
+            none, none,   none,   none,   none,   none,   none,   none};
   }
 };
 
@@ -418,7 +433,8 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
-                                                      const Geometry& g, const GradientPart& dq) {
+                                                      const Geometry& g, const GradientPart& dq,
+                                                      const HandoffSlot& dk_slc_to, const HandoffSlot& dv_slc_to) {
   TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
               "BranchesMixed takes bf16/fp16, got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "BranchesMixed: q must be [B,T,H,D] with unit stride in D");
@@ -427,10 +443,16 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
                 q.scalar_type(), ", got ", t->scalar_type());
   }
   const WindowPaths paths = ChooseWindowPaths(q, k_win, v_win, g);
+  // Only gradients whose producer will take them are handed over (else they would be lost):
+  // k_slc and v_slc exactly as the handoff's producer returned them (contiguous: no copy
+  // between).
+  const bool hand_off = dk_slc_to.Takes(k_slc) && dv_slc_to.Takes(v_slc) && k_slc.is_contiguous() &&
+                        v_slc.is_contiguous();
   const auto outs = BranchesMixedFn::apply(q, k_cmp.contiguous(), v_cmp.contiguous(), k_slc.contiguous(),
                                            v_slc.contiguous(), k_win.contiguous(), v_win.contiguous(),
                                            gates.contiguous(), rope_cos, rope_sin, g, DenseCompressed(q, k_cmp, g),
-                                           paths.tiled_forward, paths.wgmma_backward, dq);
+                                           paths.tiled_forward, paths.wgmma_backward, dq,
+                                           hand_off ? dk_slc_to : HandoffSlot{}, hand_off ? dv_slc_to : HandoffSlot{});
   return {outs[0], outs[1]};
 }
 

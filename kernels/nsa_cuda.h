@@ -51,12 +51,17 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
 // branch whose backward runs on our kernels gets its gate folded into its softmax (GateFold,
 // fused_launchers.h) and the mix's gradient itself; only cuDNN / FlashAttention-2 branches get
 // a written g * dO. The three branches' dq are summed in float32, the compressed one starting
-// the sum, and rounded once, into dq when given (q's part of a SharedGradient).
+// the sum, and rounded once, into dq when given (q's part of a SharedGradient). Given slots
+// whose handoff's producer made k_slc and v_slc (HandoffSlot::Takes: RoPE's split of the kv
+// projection), the selected branch's dK and dV go there as its kernel's float32 sums, to be
+// rounded by that producer's backward, and come back undefined from this node.
 std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, const torch::Tensor& rope_cos,
                                                       const torch::Tensor& rope_sin, const torch::Tensor& k_cmp,
                                                       const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                                                       const torch::Tensor& v_slc, const torch::Tensor& k_win,
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
-                                                      const Geometry& g, const GradientPart& dq = {});
+                                                      const Geometry& g, const GradientPart& dq = {},
+                                                      const HandoffSlot& dk_slc_to = {},
+                                                      const HandoffSlot& dv_slc_to = {});
 
 }  // namespace nsad::nsa::cuda

@@ -152,10 +152,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The parts' gradients (grad_t: dx's type, or float32) -> dx [B,T,P,M,D] at g's strides.
+// The parts' gradients -> dx [B,T,P,M,D] at g's strides. Each part's gradient is of type grad_t
+// (dx's type, or float32 for all), or float32 where its bit in float_mask is set (a float32
+// sum handed past autograd, rounded here once; the mask is 0 where grad_t is float).
 template <typename grad_t, typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    RopeBackwardKernel(PartPtrs<const grad_t> grads, scalar_t* __restrict__ dx,
+    RopeBackwardKernel(PartPtrs<const void> grads, uint32_t float_mask, scalar_t* __restrict__ dx,
                        const float* __restrict__ cos, const float* __restrict__ sin,
                        RopeGeometry g, uint32_t items) {
   const uint32_t step = gridDim.x * kThreads;
@@ -172,7 +174,12 @@ __global__ void __launch_bounds__(kThreads)
       *reinterpret_cast<Vec*>(out + r.j0 + g.half) = zero;
       continue;
     }
-    RotateOrCopyChunk<grad_t, scalar_t, kVec>(PartPointer(grads, r.p) + row, out, cos, sin, r, g, -1.f);
+    const void* part = PartPointer(grads, r.p);
+    if (!std::is_same_v<grad_t, float> && ((float_mask >> r.p) & 1u)) {
+      RotateOrCopyChunk<float, scalar_t, kVec>(static_cast<const float*>(part) + row, out, cos, sin, r, g, -1.f);
+    } else {
+      RotateOrCopyChunk<grad_t, scalar_t, kVec>(static_cast<const grad_t*>(part) + row, out, cos, sin, r, g, -1.f);
+    }
   }
 }
 
@@ -279,24 +286,28 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
   const auto& ref = grads_in[plain];
   TORCH_CHECK(ref.is_cuda() && ref.dim() == 4, "rope gradients must be CUDA [B,T,M,D], got ", ref.sizes());
   const int64_t B = ref.size(0), T = ref.size(1), M = ref.size(2), D = ref.size(3);
+  const auto out_type = dx_type.value_or(ref.scalar_type());
   std::vector<at::Tensor> grads;
+  uint32_t float_mask = 0;  // parts whose float32 gradient gives a dx of another dtype
   for (int64_t p = 0; p < P; ++p) {
     const auto& g = grads_in[p];
     const bool chunked = chunks.Holds(p);
     const auto want = chunked ? std::vector<int64_t>{B, chunks.chunks, M, chunks.len, D} : ref.sizes().vec();
-    TORCH_CHECK(g.is_cuda() && g.sizes() == at::IntArrayRef(want) && g.scalar_type() == ref.scalar_type(),
-                "rope gradients must be CUDA tensors of one dtype, [B,T,M,D] (or [B,chunks,M,len,D] in the "
-                "chunk layout); part ", p, " is ", g.sizes(), ", want ", at::IntArrayRef(want));
+    TORCH_CHECK(g.is_cuda() && g.device() == ref.device() && g.sizes() == at::IntArrayRef(want),
+                "rope gradients must be CUDA tensors on one device, [B,T,M,D] (or [B,chunks,M,len,D] in the chunk "
+                "layout); part ", p, " is ", g.sizes(), ", want ", at::IntArrayRef(want));
+    TORCH_CHECK(g.scalar_type() == out_type || g.scalar_type() == at::kFloat, "rope backward: part ", p,
+                "'s gradient is ", g.scalar_type(), "; a dx of ", out_type, " takes gradients of ", out_type,
+                " or float32");
+    if (g.scalar_type() != out_type) float_mask |= 1u << p;
     grads.push_back(g.contiguous());
   }
   TORCH_CHECK(D % 2 == 0, "RoPE needs an even head dim, got ", D);
-  CheckTable(cos, sin, T, D / 2, grads[0].device());
-  const auto out_type = dx_type.value_or(grads[0].scalar_type());
-  const bool float_grads = grads[0].scalar_type() == at::kFloat && out_type != at::kFloat;
-  TORCH_CHECK(out_type == grads[0].scalar_type() || float_grads,
-              "rope backward: gradients of ", grads[0].scalar_type(), " cannot give dx of ", out_type);
-  auto dx = dx_out.defined() ? dx_out : at::empty({B, T, P, M, D}, grads[0].options().dtype(out_type));
-  TORCH_CHECK(dx.is_cuda() && dx.device() == grads[0].device() && dx.scalar_type() == out_type &&
+  CheckTable(cos, sin, T, D / 2, ref.device());
+  // All parts float32 (a float32 sum rounded on the way): the kernel's grad_t is float.
+  const bool all_float = float_mask == (1u << P) - 1u;
+  auto dx = dx_out.defined() ? dx_out : at::empty({B, T, P, M, D}, ref.options().dtype(out_type));
+  TORCH_CHECK(dx.is_cuda() && dx.device() == ref.device() && dx.scalar_type() == out_type &&
                   dx.sizes() == at::IntArrayRef({B, T, P, M, D}) && dx.stride(4) == 1,
               "rope backward: dx_out must be a ", out_type, " CUDA tensor [", B, ",", T, ",", P, ",", M, ",", D,
               "] with unit stride in D, got ", dx.scalar_type(), " ", dx.sizes(), " strides ", dx.strides());
@@ -308,21 +319,22 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
                  static_cast<int>(M), static_cast<int>(D / 2), rotate_mask};
   SetChunks(g, chunks);
   NSA_DISPATCH_TYPES(dx.scalar_type(), "nsa_rope_backward", [&] {
+    PartPtrs<const void> ptrs{};
+    // Every part's alignment in its own type's units; dx's.
+    bool grads_aligned_8 = true, grads_aligned_4 = true;
+    for (int64_t p = 0; p < P; ++p) {
+      ptrs.p[p] = grads[p].data_ptr();
+      grads_aligned_8 = grads_aligned_8 && AlignedFor(grads[p], 8);
+      grads_aligned_4 = grads_aligned_4 && AlignedFor(grads[p], 4);
+    }
+    const std::vector<const scalar_t*> all = {dx.data_ptr<scalar_t>()};
     const auto launch = [&](auto grad_type) {
       using grad_t = decltype(grad_type);
-      PartPtrs<const grad_t> ptrs{};
-      for (int64_t p = 0; p < P; ++p) ptrs.p[p] = grads[p].data_ptr<grad_t>();
-      // Both types' alignment: the same element offsets, in the wider type's units.
-      std::vector<const scalar_t*> all = {dx.data_ptr<scalar_t>()};
-      bool grads_aligned_8 = true, grads_aligned_4 = true;
-      for (int64_t p = 0; p < P; ++p) {
-        grads_aligned_8 = grads_aligned_8 && AlignedFor(ptrs.p[p], 8);
-        grads_aligned_4 = grads_aligned_4 && AlignedFor(ptrs.p[p], 4);
-      }
+      const uint32_t mask = std::is_same_v<grad_t, float> ? 0u : float_mask;
       const auto run = [&](auto vec) {
         constexpr int kVec = decltype(vec)::value;
         const auto items = static_cast<uint32_t>(pairs / kVec);
-        Launch(RopeBackwardKernel<grad_t, scalar_t, kVec>, GridStride(items), 0, ptrs, dx.data_ptr<scalar_t>(),
+        Launch(RopeBackwardKernel<grad_t, scalar_t, kVec>, GridStride(items), 0, ptrs, mask, dx.data_ptr<scalar_t>(),
                cos.data_ptr<float>(), sin.data_ptr<float>(), g, items);
       };
       if (RowsTakeVectors(g, all, 8) && grads_aligned_8) {
@@ -333,8 +345,8 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads_in, const at::Tenso
         run(std::integral_constant<int, 1>{});
       }
     };
-    if (float_grads) {
-      if constexpr (!std::is_same_v<scalar_t, float>) launch(float{});
+    if (all_float) {
+      launch(float{});
     } else {
       launch(scalar_t{});
     }

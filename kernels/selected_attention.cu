@@ -1049,7 +1049,7 @@ BlockMap TakeBlockMap(PendingBlockMap* ahead, const at::Tensor& q, const Shape& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_idx, const Geo& g,
-    at::Tensor* dq_sum, const at::Tensor& given_delta, PendingBlockMap* ahead) {
+    at::Tensor* dq_sum, const at::Tensor& given_delta, PendingBlockMap* ahead, bool round_dkdv) {
   CheckSelected(q, k, v, block_idx, g);
   if (dq_sum) CheckDqSum(*dq_sum, q);
   const auto dout = dout_in.contiguous();
@@ -1105,6 +1105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> SelectedBackward(
   } else if (fused_dq) {
     dq = dq_acc.to(q.scalar_type());
   }
+  if (!round_dkdv) return {dq, dk_acc, dv_acc};
   return {dq, dk_acc.to(k.scalar_type()), dv_acc.to(v.scalar_type())};
 }
 

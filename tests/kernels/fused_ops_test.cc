@@ -179,6 +179,52 @@ TEST_P(FusedOpsTest, SplitOfTheKvProjectionWritesTheCompressionsPartsAsChunks) {
   EXPECT_TRUE(torch::equal(dx, dx_plain));
 }
 
+// Gradients handed past autograd (GradientHandoff), as the selected branch hands its float32
+// dK/dV to the kv split's backward: parts 2 (rotated) and 3 (copied) get float32 gradients
+// through the handoff while autograd gives them none; their dx is the float32 gradient rotated
+// back and rounded once (part 3: bitwise the gradient's rounding), the other parts' dx is
+// exactly the dx of a run without the handoff. The handoff knows its producer's outputs (so a
+// consumer hands over only what this split's backward will take) and is empty afterwards; a
+// part with neither gradient gets zeros. Both with and without the compression's chunks.
+TEST_P(FusedOpsTest, SplitOfTheKvProjectionTakesHandedFloatGradients) {
+  const FusedCase c = GetParam();
+  const int64_t G = std::max<int64_t>(1, c.H / 4), len = 16, n_chunks = c.T / len;
+  const auto kv = torch::randn({c.B, c.T, 6 * G * c.D}, Opts()).requires_grad_(true);
+  const auto x = kv.view({c.B, c.T, 6, G, c.D});
+  const auto table = Table(c.T);
+  const std::vector<bool> rotate = {false, false, true, false, true, false};
+  for (const bool chunked : {false, true}) {
+    const PartChunks chunks = chunked && n_chunks > 0 ? PartChunks{0, 2, len, n_chunks} : PartChunks{};
+    const auto handoff = c10::make_intrusive<GradientHandoff>(6);
+    const auto parts = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, {}, chunks, handoff);
+    const auto plain = cuda::ApplyRopeParts(x, table.cos, table.sin, rotate);
+    EXPECT_TRUE(handoff->Produced(2, parts[2]) && handoff->Produced(3, parts[3]) && handoff->Produced(5, parts[5]));
+    EXPECT_FALSE(handoff->Produced(2, parts[3])) << "another output";
+    EXPECT_FALSE(handoff->Produced(2, parts[2].clone())) << "a copy's gradient would not reach the split";
+    EXPECT_FALSE(handoff->Produced(2, plain[2])) << "another split's output";
+    if (chunks.Any()) EXPECT_FALSE(handoff->Produced(0, parts[0])) << "chunked parts are not handed over";
+
+    std::vector<torch::Tensor> w;
+    for (int p = 0; p < 6; ++p) w.push_back(torch::randn_like(plain[p]));
+    const auto w2 = torch::randn_like(plain[2], torch::kFloat), w3 = torch::randn_like(plain[3], torch::kFloat);
+    // Parts 4 and 5 through autograd; 2 and 3 handed over; 0 and 1 unused (zeros).
+    handoff->Put(2, w2);
+    handoff->Put(3, w3);
+    Poison();
+    const auto dx = torch::autograd::grad({parts[4], parts[5]}, {kv}, {w[4], w[5]})[0].view(x.sizes());
+    EXPECT_FALSE(handoff->Take(2).defined() || handoff->Take(3).defined()) << "the backward took them";
+    const auto dx_plain = torch::autograd::grad({plain[4], plain[5]}, {kv}, {w[4], w[5]})[0].view(x.sizes());
+    for (const int p : {0, 1, 4, 5}) EXPECT_TRUE(torch::equal(dx.select(2, p), dx_plain.select(2, p))) << "part " << p;
+    EXPECT_EQ(dx.select(2, 0).abs().max().item<float>(), 0.f);
+    EXPECT_TRUE(torch::equal(dx.select(2, 3), w3.to(c.dtype))) << "a copied part: the float32 gradient rounded once";
+    // The rotated part against the inverse rotation of the float32 gradient in float64.
+    const auto x64 = x.detach().select(2, 2).to(torch::kDouble).requires_grad_(true);
+    const RopeTable table64{table.cos.to(torch::kDouble), table.sin.to(torch::kDouble)};
+    const auto ref = torch::autograd::grad({ApplyRope(x64, table64)}, {x64}, {w2.to(torch::kDouble)})[0];
+    ExpectClose(dx.select(2, 2), ref, GetParam().dtype == torch::kFloat ? 1e-6 : 5e-3, "handed rotated part");
+  }
+}
+
 TEST_P(FusedOpsTest, RopeOfAStridedViewMatchesTheReference) {
   const FusedCase c = GetParam();
   const int64_t G = std::max<int64_t>(1, c.H / 4);

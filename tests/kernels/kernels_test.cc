@@ -24,11 +24,13 @@
 
 #include "nsa/ops.h"
 #include "nsa/rope.h"
+#include "nsa/shared_gradient.h"
 #include "nsa_cuda.h"
 #include "test_names.h"
 #include "block_map.h"
 #include "kernel_choice.h"
 #include "launchers.h"
+#include "fused_ops.h"
 
 namespace nsad::nsa {
 namespace {
@@ -973,6 +975,62 @@ TEST_P(KernelsTest, BranchesMixedInOneNodeMatchTheReference) {
       ExpectClose(gates.grad(), g32.grad(), "dgates");
     }
   }
+}
+
+// The model's call passes the selected keys and values as outputs of the kv projection's split
+// (ApplyRopeParts) with a GradientHandoff: the node's backward then hands its float32 dK/dV
+// sums to the split's backward, which rounds them once, instead of returning them rounded. The
+// split's input gets the gradients the plain call gives its leaves (up to the order of the
+// float32 atomics, whose sums are rounded to the same dtype either way), and the slots were
+// used: what they held before the backward is gone after it. Slots given for keys and values
+// the split did not make (plain leaves) are ignored: those gradients come back through autograd.
+TEST_P(KernelsTest, BranchesMixedHandsTheSelectedDkDvToTheirSplit) {
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "BranchesMixed takes bf16/fp16 only";
+  const int64_t N = NumCmpBlocks(c.T, geo_);
+  auto q = Random({kBatch, c.T, c.H, c.D});
+  auto kc = Random({kBatch, N, c.G, c.D}), vc = Random({kBatch, N, c.G, c.D});
+  auto kw = Random({kBatch, c.T, c.G, c.D}), vw = Random({kBatch, c.T, c.G, c.D});
+  auto gates = torch::rand({kBatch, c.T, c.H, 3}, Opts()).requires_grad_(true);
+  const auto split_input = Random({kBatch, c.T, 2, c.G, c.D});  // [k_slc | v_slc], copied by the split
+  auto ks = split_input.detach().select(2, 0).clone().requires_grad_(true);
+  auto vs = split_input.detach().select(2, 1).clone().requires_grad_(true);
+  const auto rope = MakeRopeTable(torch::arange(c.T, Opts().dtype(torch::kLong)), c.D, 10000.0, torch::kFloat);
+  const auto grad = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+    const auto bd = b.to(torch::kDouble);
+    return ((a.to(torch::kDouble) - bd).norm() / bd.norm().clamp_min(1e-30)).item<double>();
+  };
+
+  const auto ignored = c10::make_intrusive<GradientHandoff>(2);
+  const auto [out, idx] =
+      cuda::BranchesMixed(q, rope.cos, rope.sin, kc, vc, ks, vs, kw, vw, gates, geo_, {}, {ignored, 0}, {ignored, 1});
+  out.backward(grad);
+  ASSERT_TRUE(ks.grad().defined() && vs.grad().defined()) << "slots the split did not make are ignored";
+  EXPECT_FALSE(ignored->Take(0).defined() || ignored->Take(1).defined());
+  const auto dq_plain = q.grad().clone(), dgates_plain = gates.grad().clone();
+  for (auto* t : {&q, &kc, &vc, &kw, &vw, &gates}) t->mutable_grad().reset();
+
+  const auto handoff = c10::make_intrusive<GradientHandoff>(2);
+  const auto parts = cuda::ApplyRopeParts(split_input, rope.cos, rope.sin, {false, false}, {}, {}, handoff);
+  const auto [out_h, idx_h] = cuda::BranchesMixed(q, rope.cos, rope.sin, kc, vc, parts[0], parts[1], kw, vw, gates,
+                                                  geo_, {}, {handoff, 0}, {handoff, 1});
+  EXPECT_TRUE(torch::equal(idx_h, idx));
+  EXPECT_LT(rel(out_h, out), 1e-3);
+  const auto sentinel = torch::full({1}, 7.0, Opts());
+  handoff->Put(0, sentinel);
+  handoff->Put(1, sentinel);
+  Poison();
+  out_h.backward(grad);
+  EXPECT_FALSE(handoff->Take(0).defined() || handoff->Take(1).defined())
+      << "the node put its sums into the slots and the split's backward took them";
+  const auto d_split = split_input.grad();
+  ASSERT_TRUE(d_split.defined());
+  EXPECT_EQ(d_split.scalar_type(), c.dtype);
+  EXPECT_LT(rel(d_split.select(2, 0), ks.grad()), 1e-2) << "dk slc";
+  EXPECT_LT(rel(d_split.select(2, 1), vs.grad()), 1e-2) << "dv slc";
+  EXPECT_LT(rel(q.grad(), dq_plain), 1e-2) << "dq";
+  EXPECT_LT(rel(gates.grad(), dgates_plain), 1e-2) << "dgates";
 }
 
 // A window of one key makes each row's softmax that key alone (P = 1), so the backward is

@@ -158,8 +158,13 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   // gradient then reaches kv_proj in one piece instead of six zero-padded selects. On the
   // CUDA backend the compression's two parts come out as the chunks its GEMMs read.
   const auto chunks = CompressionChunks(T);
+  // The selected branch's backward hands its float32 dK/dV sums to this split's backward,
+  // which rounds them as it writes kv's gradient (nsa/shared_gradient.h, GradientHandoff).
+  const auto handoff = backend_ == AttentionBackend::kCuda && projected[1].requires_grad()
+                           ? c10::make_intrusive<GradientHandoff>(6)
+                           : c10::intrusive_ptr<GradientHandoff>();
   const auto kv = RotateParts(backend_, projected[1].view({B, T, 6, G, D}), rope.tokens,
-                              {false, false, true, false, true, false}, grad_parts[1], chunks);
+                              {false, false, true, false, true, false}, grad_parts[1], chunks, handoff);
   const auto& k_slc = kv[2];
   const auto& v_slc = kv[3];
   const auto& k_win = kv[4];
@@ -174,7 +179,7 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto gates = GateHead(backend_, projected[2], GateOutput(), grad_parts[2]).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
-                                  v_slc, k_win, v_win, gates, G, g, grad_parts[0]);
+                                  v_slc, k_win, v_win, gates, G, g, grad_parts[0], {handoff, 2}, {handoff, 3});
   last_gates_ = gates.detach();
   last_block_idx_ = mixed.block_idx.detach();
   return ApplyLinear(o_proj_, mixed.out.reshape({B, T, H * D}));

@@ -104,7 +104,8 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
                            const torch::Tensor& k_cmp, const torch::Tensor& v_cmp, const torch::Tensor& k_slc,
                            const torch::Tensor& v_slc, const torch::Tensor& k_win, const torch::Tensor& v_win,
                            const torch::Tensor& gates, int64_t num_groups, const Geometry& g,
-                           const GradientPart& dq_unrotated) {
+                           const GradientPart& dq_unrotated, const HandoffSlot& dk_slc_to,
+                           const HandoffSlot& dv_slc_to) {
   const auto& q_in = q_unrotated;
 #ifdef NSAD_HAVE_CUDA_KERNELS
   const auto type = q_in.scalar_type();
@@ -120,7 +121,7 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
     fused_calls.fetch_add(1, std::memory_order_relaxed);  // RoPE
     auto [out, block_idx] =
         cuda::BranchesMixed(q_in, q_rope.cos, q_rope.sin, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, g,
-                            dq_unrotated);
+                            dq_unrotated, dk_slc_to, dv_slc_to);
     return {out, block_idx};
   }
 #endif
@@ -132,14 +133,15 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
                                        const RopeTable& table, const std::vector<bool>& rotate,
-                                       const GradientPart& dx, const PartChunks& chunks) {
+                                       const GradientPart& dx, const PartChunks& chunks,
+                                       const c10::intrusive_ptr<GradientHandoff>& handoff) {
   TORCH_CHECK(x.dim() == 5, "RotateParts takes x [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "RotateParts: ", rotate.size(),
               " rotate flags for ", x.size(2), " parts");
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && cuda::FusedOpsTake(x) && table.cos.scalar_type() == torch::kFloat) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
-    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, dx, chunks);
+    return cuda::ApplyRopeParts(x, table.cos, table.sin, rotate, dx, chunks, handoff);
   }
 #else
   UseCuda(backend);

@@ -44,8 +44,10 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(AttentionBack
 // MixBranches. On the CUDA kernels with bf16/fp16 inputs of one dtype, one autograd node
 // (cuda::BranchesMixed in nsa_cuda.h) whose backward hands the attention backwards the row
 // sums the mixing's backward already has and rounds the three branches' summed dq once, in
-// RoPE's backward, into dq_unrotated when given (q's part of a SharedGradient); otherwise
-// those four calls, which ignore dq_unrotated.
+// RoPE's backward, into dq_unrotated when given (q's part of a SharedGradient), and hands the
+// selected branch's float32 dK and dV to the slots given where their producer made k_slc and
+// v_slc (RotateParts with that handoff); otherwise those four calls, which ignore
+// dq_unrotated and the slots.
 struct MixedBranches {
   torch::Tensor out;        // [B,T,H,D]
   torch::Tensor block_idx;  // selected blocks [B,T,G,n] int32
@@ -54,7 +56,8 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
                            const torch::Tensor& k_cmp,
                            const torch::Tensor& v_cmp, const torch::Tensor& k_slc, const torch::Tensor& v_slc,
                            const torch::Tensor& k_win, const torch::Tensor& v_win, const torch::Tensor& gates,
-                           int64_t num_groups, const Geometry& g, const GradientPart& dq_unrotated = {});
+                           int64_t num_groups, const Geometry& g, const GradientPart& dq_unrotated = {},
+                           const HandoffSlot& dk_slc_to = {}, const HandoffSlot& dv_slc_to = {});
 
 // The attention module's elementwise steps. With the CUDA backend and CUDA tensors of a
 // type the kernels take (bf16, fp16, fp32) they run the fused kernels (kernels/fused_ops.h);
@@ -66,10 +69,13 @@ MixedBranches AttendAndMix(AttentionBackend backend, const torch::Tensor& q_unro
 // comes back in one piece on the fused path, written into dx when given: x's part of a
 // SharedGradient). With chunks, the parts it names come out as one contiguous tensor in its
 // chunk layout (nsa/part_chunks.h: what CompressChunksTogether reads), returned after the P
-// parts, whose entries for those parts are undefined.
+// parts, whose entries for those parts are undefined. With handoff (one slot per part), the
+// fused path is its producer: a consumer may hand a part's gradient over in float32
+// (GradientHandoff); elsewhere nothing records it, so no consumer does.
 std::vector<torch::Tensor> RotateParts(AttentionBackend backend, const torch::Tensor& x,
                                        const RopeTable& table, const std::vector<bool>& rotate,
-                                       const GradientPart& dx = {}, const PartChunks& chunks = {});
+                                       const GradientPart& dx = {}, const PartChunks& chunks = {},
+                                       const c10::intrusive_ptr<GradientHandoff>& handoff = {});
 // gates [B,T,H,3] (cmp, slc, win) -> sum over k of gates[...,k] * branch k, [B,T,H,D].
 torch::Tensor MixBranches(AttentionBackend backend, const torch::Tensor& gates,
                           const torch::Tensor& o_cmp, const torch::Tensor& o_slc,
