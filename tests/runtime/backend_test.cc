@@ -24,6 +24,19 @@
 namespace nsad {
 namespace {
 
+// The tiny model of these tests: dim 128 so that the gate MLP's hidden layer (dim / 4 = 32)
+// takes the fused gate head; head dim 64, one of the kernels' two.
+ModelConfig TinyModel() {
+  ModelConfig m;
+  m.dim = 128;
+  m.n_layers = 2;
+  m.n_heads = 4;
+  m.n_kv_groups = 2;
+  m.head_dim = 64;
+  m.nsa = {16, 8, 32, 4, 64};
+  return m;
+}
+
 class BackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -33,12 +46,7 @@ class BackendTest : public ::testing::Test {
   }
   TrainConfig Tiny(const std::string& device, AttentionBackend backend) const {
     TrainConfig c;
-    c.model.dim = 128;  // the gate MLP's hidden layer (dim / 4 = 32) takes the fused gate head
-    c.model.n_layers = 2;
-    c.model.n_heads = 4;
-    c.model.n_kv_groups = 2;
-    c.model.head_dim = 64;  // the kernels' head dims are 64 and 128
-    c.model.nsa = {16, 8, 32, 4, 64};
+    c.model = TinyModel();
     c.data.train_path = tmp_.path() + "/train.bin";
     c.data.val_fraction = 0.1f;
     c.seq_len = 128;
@@ -322,13 +330,7 @@ TEST(LinearOnCuda, WeightGradientLeavesTheGemmInFloat32) {
 TEST(WeightCopiesOnCuda, TheModelReadsItsCopiesAndComputesWhatTheCastsDo) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   torch::manual_seed(11);
-  ModelConfig config;
-  config.dim = 128;
-  config.n_layers = 2;
-  config.n_heads = 4;
-  config.n_kv_groups = 2;
-  config.head_dim = 64;
-  config.nsa = {16, 8, 32, 4, 64};
+  const ModelConfig config = TinyModel();
   NsaTransformer model(config, AttentionBackend::kCuda);
   model->to(torch::kCUDA);
   const auto tokens = torch::randint(0, config.vocab_size, {2, 200}, torch::TensorOptions(torch::kCUDA).dtype(torch::kLong));
@@ -380,12 +382,6 @@ TEST(WeightCopiesOnCuda, TheModelReadsItsCopiesAndComputesWhatTheCastsDo) {
   }
 }
 
-}  // namespace
-}  // namespace nsad
-
-namespace nsad {
-namespace {
-
 // The optimizer writes the model's weight copies as it updates the weights (AdamW::Step given
 // the model's copies): after every step each copy is its weight's cast bit for bit and the
 // next forward copies none of them, eager and replayed from a CUDA graph (whose captured
@@ -397,13 +393,7 @@ TEST(WeightCopiesOnCuda, TheOptimizerKeepsTheCopiesCurrentEagerAndInAGraph) {
   if (std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING")) GTEST_SKIP() << "graphs need the caching allocator";
   torch::manual_seed(12);
   const torch::Device cuda(torch::kCUDA, 0);
-  ModelConfig config;
-  config.dim = 128;
-  config.n_layers = 2;
-  config.n_heads = 4;
-  config.n_kv_groups = 2;
-  config.head_dim = 64;
-  config.nsa = {16, 8, 32, 4, 64};
+  const ModelConfig config = TinyModel();
   NsaTransformer model(config, AttentionBackend::kCuda);
   model->to(cuda);
   OptimConfig optim;
