@@ -96,7 +96,9 @@ struct GradientPart {
 // for every consumer of its outputs), which takes it where autograd's gradient is undefined.
 // Slots never put stay empty: the producer then uses what autograd gave (or zeros).
 // A consumer hands over only an input the producer recorded as its slot's output (Produced):
-// a gradient put where no producer will take it would be lost.
+// a gradient put where no producer will take it would be lost. For tensors internal to a
+// module only: autograd itself never sees a handed-over gradient, so torch::autograd::grad
+// asked for that intermediate tensor would get none.
 class GradientHandoff : public torch::CustomClassHolder {
  public:
   explicit GradientHandoff(size_t slots) : slots_(slots), outputs_(slots) {}
