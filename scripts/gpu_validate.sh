@@ -8,7 +8,8 @@
 # .device-deps and .kernel-deps (see scripts/gpu_check.sh).
 #   scripts/gpu_validate.sh [LOG_DIR]    env: SKIP_MEMCHECK=1, SKIP_BENCH=1, M7C_STEPS=30,
 #                                        BENCH_ARGS="--torch-optim 1 --variants nsa-cuda" (train_bench),
-#                                        GPU_TESTS="runtime/backend_test engine/trainer_test",
+#                                        GPU_TESTS="runtime/backend_test engine/trainer_test"
+#                                        (paths under the build's tests/, each built first),
 #                                        MEMCHECK_FILTER="*CudaGraph*" (backend_test cases),
 #                                        MEMCHECK_NO_CACHING=0 (keep the caching allocator),
 #                                        NSA_BENCH_ARGS="--seqs 65536 --reps 3" (also run the
@@ -26,7 +27,10 @@ source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$logs/gpu.txt"
 
 step build
-targets="nsad nsad-worker nsactl nsa-shard backend_test trainer_test kernels_test train_bench nsa_bench"
+gpu_tests=${GPU_TESTS:-runtime/backend_test engine/trainer_test kernels/kernels_test}
+# backend_test for the memcheck; every test GPU_TESTS names is built too (nsa/nsa_tests was not).
+targets="nsad nsad-worker nsactl nsa-shard backend_test train_bench nsa_bench"
+for t in $gpu_tests; do targets="$targets $(basename "$t")"; done
 if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
          -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
        timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
@@ -34,7 +38,7 @@ if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_B
 fi
 
 step "GPU tests"
-for t in ${GPU_TESTS:-runtime/backend_test engine/trainer_test kernels/kernels_test}; do
+for t in $gpu_tests; do
   timeout 300 "$build/tests/$t" > "$logs/$(basename $t).log" 2>&1
   rc=$?
   echo "$t: exit $rc, $(grep -E '^\[  PASSED|^\[  FAILED|SKIPPED \] [0-9]' "$logs/$(basename $t).log" | tr '\n' ' ')"
