@@ -101,8 +101,6 @@ __global__ void __launch_bounds__(kAdamThreads)
   }
 }
 
-bool Aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 // The dtype of the copies (all one), or nullopt where there are none; refuses what the kernel
 // cannot write.
 std::optional<at::ScalarType> CopiesType(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& copies) {
@@ -188,8 +186,9 @@ void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     const bool copied = !copies.empty() && copies[i].defined();
     list.copy[k] = copied ? copies[i].data_ptr() : nullptr;
     list.numel[k] = numel;
-    list.vec4[k] = Aligned16(params[i]) && Aligned16(grads[i]) && Aligned16(exp_avg[i]) && Aligned16(exp_avg_sq[i]) &&
-                   (!copied || reinterpret_cast<uintptr_t>(list.copy[k]) % 8 == 0);
+    // Four elements per access: 16 bytes of float32, 8 of the 16-bit copy.
+    list.vec4[k] = AlignedFor(params[i], 4) && AlignedFor(grads[i], 4) && AlignedFor(exp_avg[i], 4) &&
+                   AlignedFor(exp_avg_sq[i], 4) && (!copied || AlignedFor(copies[i], 4));
     list.first_cta[k + 1] = list.first_cta[k] + static_cast<int>(ctas);
     list.count = k + 1;
   }
