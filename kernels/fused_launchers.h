@@ -110,21 +110,26 @@ bool SiluRowsTake(const at::Tensor& x);
 at::Tensor SiluRowsForward(const at::Tensor& x);
 at::Tensor SiluRowsBackward(const at::Tensor& dout, const at::Tensor& x, const at::Tensor& dx_out = {});
 
-// The gate MLP's head (kernels/gate_head.cu): gates = sigmoid(silu(u) W^T + b) for u [.., K]
+// The gate MLP's head (kernels/gate_head.cu): gates = sigmoid(silu(u + c) W^T + b) for u [.., K]
 // (bf16 / fp16; rows of one stride, a multiple of 8 elements, 16-byte aligned: a column slice
-// of the attention's joint projection), W [N, K] (converted to u's dtype: the weight's 16-bit
-// copy), b [N] (float32 arithmetic). GateHeadTakes(u, N): K a multiple of 32, N even and at
-// most 64. silu(u) is rounded to u's dtype before the product (as the unfused silu's output
-// was); the product, the bias and the sigmoid are float32, the gates rounded once.
+// of the attention's joint projection), c [K] the hidden layer's bias, or undefined or empty for
+// none (float32 arithmetic), W [N, K] (converted to u's dtype: the weight's 16-bit copy), b [N] (float32
+// arithmetic). GateHeadTakes(u, N): K a multiple of 32 up to 480, N even and at most 64.
+// silu(u + c) is rounded to u's dtype before the product (as the unfused silu's output was);
+// u + c, the product, the bias and the sigmoid are float32, the gates rounded once.
 bool GateHeadTakes(const at::Tensor& u, int64_t outputs);
-at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& w16, const at::Tensor& bias);
-// From the gates' gradient and the forward's u, gates and W: (du in u's dtype -- written into
+at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& hidden_bias, const at::Tensor& w16,
+                           const at::Tensor& bias);
+// From the gates' gradient and the forward's u, c, gates and W: du in u's dtype (written into
 // du_out when given, u's shape with rows of one 16-byte-aligned stride: a slice of a
-// SharedGradient --, dW float32 [N, K], db float32 [N]). dz = dg g (1 - g) is rounded to u's
-// dtype once and feeds du, dW and db; dW and db are summed in a fixed order (deterministic).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> GateHeadBackward(const at::Tensor& dgates, const at::Tensor& gates,
-                                                                const at::Tensor& u, const at::Tensor& w16,
-                                                                const at::Tensor& du_out = {});
+// SharedGradient), dW float32 [N, K], db float32 [N], and dc float32 [K] (the column sums of du
+// as rounded; undefined without a c). dz = dg g (1 - g) is rounded to u's dtype once and feeds
+// du, dW and db; dW, db and dc are summed in a fixed order (deterministic).
+struct GateHeadGrads {
+  at::Tensor du, dw, db, dc;
+};
+GateHeadGrads GateHeadBackward(const at::Tensor& dgates, const at::Tensor& gates, const at::Tensor& u,
+                               const at::Tensor& hidden_bias, const at::Tensor& w16, const at::Tensor& du_out = {});
 
 // Residual add + RMSNorm: s = x + y (x float32, s float32), h = s * rsqrt(mean(s^2) + eps)
 // * weight (weight float32 [C]) in y's dtype; also returns rstd [rows] float32. Channels up

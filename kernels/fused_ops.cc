@@ -175,14 +175,16 @@ struct SiluRowsFn : torch::autograd::Function<SiluRowsFn> {
   }
 };
 
-// gates = sigmoid(silu(u) W^T + b): differentiable w.r.t. u, W and b; w16 (W's 16-bit operand,
-// no gradient of its own) is what the kernels multiply by. Saves u, w16 and the gates.
+// gates = sigmoid(silu(u + c) W^T + b): differentiable w.r.t. u, c (the hidden bias; empty for
+// none: an autograd node takes no undefined input), W and b; w16 (W's 16-bit operand, no gradient of its own) is what the kernels
+// multiply by. Saves u, c, w16 and the gates.
 struct GateHeadFn : torch::autograd::Function<GateHeadFn> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& u, const torch::Tensor& weight,
-                               const torch::Tensor& bias, const torch::Tensor& w16, const GradientPart& du) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& u, const torch::Tensor& hidden_bias,
+                               const torch::Tensor& weight, const torch::Tensor& bias, const torch::Tensor& w16,
+                               const GradientPart& du) {
     RECORD_FUNCTION("nsa::gate_head_forward", std::vector<c10::IValue>());
-    auto gates = detail::GateHeadForward(u, w16, bias);
-    ctx->save_for_backward({u, w16, gates});
+    auto gates = detail::GateHeadForward(u, hidden_bias, w16, bias);
+    ctx->save_for_backward({u, hidden_bias, w16, gates});
     ctx->saved_data["du"] = du.ToSaved();
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias.scalar_type());
@@ -191,12 +193,14 @@ struct GateHeadFn : torch::autograd::Function<GateHeadFn> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     RECORD_FUNCTION("nsa::gate_head_backward", std::vector<c10::IValue>());
     const auto s = ctx->get_saved_variables();
-    if (!grads[0].defined()) return tensor_list(5);
-    const auto du_out = GradientPart::FromSaved(ctx->saved_data["du"]).Take(s[0].sizes());
-    auto [du, dw, db] = detail::GateHeadBackward(grads[0], s[2], s[0], s[1], du_out);
+    if (!grads[0].defined()) return tensor_list(6);
+    const auto &u = s[0], &hidden_bias = s[1], &w16 = s[2], &gates = s[3];
+    const auto du_out = GradientPart::FromSaved(ctx->saved_data["du"]).Take(u.sizes());
+    auto g = detail::GateHeadBackward(grads[0], gates, u, hidden_bias, w16, du_out);
     const auto wt = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     const auto bt = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
-    return {du, dw.to(wt), db.to(bt), torch::Tensor(), torch::Tensor()};
+    const auto dc = g.dc.defined() ? g.dc.to(hidden_bias.scalar_type()).view(hidden_bias.sizes()) : torch::Tensor();
+    return {g.du, dc, g.dw.to(wt), g.db.to(bt), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -319,19 +323,25 @@ torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx) {
   return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous(), dx);
 }
 
-bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias) {
+bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& hidden_bias, const torch::Tensor& weight,
+                   const torch::Tensor& bias) {
   return weight.dim() == 2 && weight.size(1) == u.size(-1) && bias.dim() == 1 && bias.size(0) == weight.size(0) &&
+         (!hidden_bias.defined() ||
+          (hidden_bias.dim() == 1 && hidden_bias.size(0) == u.size(-1) && hidden_bias.device() == u.device())) &&
          weight.device() == u.device() && bias.device() == u.device() && detail::GateHeadTakes(u, weight.size(0));
 }
 
-torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias,
-                       const torch::Tensor& w16, const GradientPart& du) {
-  TORCH_CHECK(GateHeadTakes(u, weight, bias), "GateHead takes u [.., K] (bf16/fp16 CUDA rows of one 16-byte-aligned "
-              "stride, K a multiple of 32), weight [N, K] and bias [N] with N even and at most 64; got u ", u.sizes(),
-              " ", u.scalar_type(), ", weight ", weight.sizes(), ", bias ", bias.sizes());
+torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& hidden_bias, const torch::Tensor& weight,
+                       const torch::Tensor& bias, const torch::Tensor& w16, const GradientPart& du) {
+  TORCH_CHECK(GateHeadTakes(u, hidden_bias, weight, bias), "GateHead takes u [.., K] (bf16/fp16 CUDA rows of one "
+              "16-byte-aligned stride, K a multiple of 32 up to 480), hidden_bias [K] or none, weight [N, K] and "
+              "bias [N] with N even and at most 64; got u ", u.sizes(), " ", u.scalar_type(), ", hidden_bias ",
+              hidden_bias.defined() ? hidden_bias.sizes() : at::IntArrayRef(), ", weight ", weight.sizes(),
+              ", bias ", bias.sizes());
   const auto operand = w16.defined() ? w16.detach() : weight.detach().to(u.scalar_type());
   TORCH_CHECK(operand.sizes() == weight.sizes(), "GateHead: the weight's 16-bit copy must have its shape");
-  return GateHeadFn::apply(u, weight, bias, operand, du);
+  const auto c = hidden_bias.defined() ? hidden_bias : u.new_empty({0}, u.options().dtype(at::kFloat));
+  return GateHeadFn::apply(u, c, weight, bias, operand, du);
 }
 
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {

@@ -64,18 +64,20 @@ torch::Tensor SwiGlu(const torch::Tensor& joint);
 // (x's part of a SharedGradient).
 torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx = {});
 
-// The gate MLP's head, sigmoid(silu(u) W^T + b) for u [.., K] (the hidden layer's
-// pre-activation, a column slice of the attention's joint projection), weight [N, K], bias [N]
-// (float32 parameters under autocast): the gates [.., N] in u's dtype, differentiable w.r.t. u,
-// weight and bias, from one kernel each way (kernels/gate_head.cu). w16: the weight's 16-bit
-// copy for the product (model/weight_copies.h), or undefined (cast here). u's gradient goes into
-// du when given (u's part of a SharedGradient); the weight's and bias's come out float32 from the
-// kernels and are cast to the parameters' dtypes. Differs from the composed ops only in
-// rounding: silu(u) is rounded to u's dtype as before, the product is not rounded before the
-// bias and sigmoid.
-bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias);
-torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& weight, const torch::Tensor& bias,
-                       const torch::Tensor& w16 = {}, const GradientPart& du = {});
+// The gate MLP's head, sigmoid(silu(u + c) W^T + b) for u [.., K] (the hidden layer's
+// pre-activation without its bias, a column slice of the attention's joint projection),
+// hidden_bias c [K] or undefined, weight [N, K], bias [N] (float32 parameters under autocast):
+// the gates [.., N] in u's dtype, differentiable w.r.t. u, c, weight and bias, from one kernel
+// each way (kernels/gate_head.cu). w16: the weight's 16-bit copy for the product
+// (model/weight_copies.h), or undefined (cast here). u's gradient goes into du when given (u's
+// part of a SharedGradient); c's (the column sums of u's), the weight's and the bias's come out
+// float32 from the kernels and are cast to the parameters' dtypes. Differs from the composed
+// ops only in rounding: silu(u + c) is rounded to u's dtype as before, u + c and the product
+// are not rounded.
+bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& hidden_bias, const torch::Tensor& weight,
+                   const torch::Tensor& bias);
+torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& hidden_bias, const torch::Tensor& weight,
+                       const torch::Tensor& bias, const torch::Tensor& w16 = {}, const GradientPart& du = {});
 
 // Mean cross-entropy of logits [N, V] (bf16, fp16 or fp32; the maths in float32) against
 // int64 targets [N], over the targets that are not ignore_index: LibTorch's

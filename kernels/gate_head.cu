@@ -1,5 +1,9 @@
-// The gate MLP's head, gates = sigmoid(silu(u) W^T + b), as one kernel forward and one (plus a
-// small reduction) backward, on tensor cores (bf16 / fp16).
+// The gate MLP's head, gates = sigmoid(silu(u + c) W^T + b), as one kernel forward and one (plus
+// a small reduction) backward, on tensor cores (bf16 / fp16). c is the gate MLP's hidden bias
+// (optional): added here rather than in the epilogue of the joint projection's GEMM, its
+// gradient (the column sums of du) comes out of this kernel's reduction, where the GEMM's
+// backward ran four small kernels for it (a ones fill, a split-K GEMV and its reduction, a
+// cast: 18.6 us a layer), and the forward needs no joint bias vector (a fill and a copy).
 //
 // Why: ATen ran it as silu over the strided slice, the bias's cast, a cuBLAS GEMM with N = 36
 // outputs (72-byte rows: cuBLAS's sm80 align2 kernels) and sigmoid; the backward as sigmoid's
@@ -9,8 +13,8 @@
 // that moves in about 5 + 10 us. These take 17 us forward and 30 + 4 us backward (ncu, same
 // shape), latency-bound: a 16-row warp is the unit, so the grid holds about 15 warps per SM.
 //
-// u [M, K]: rows u_stride apart (a column slice of the attention's joint projection); W [N, K]
-// 16-bit (the weight's copy); b [N] float32; gates [M, N]. mma.sync m16n8k16 fragments straight
+// u [M, K]: rows u_stride apart (a column slice of the attention's joint projection); c [K]
+// float32 or null; W [N, K] 16-bit (the weight's copy); b [N] float32; gates [M, N]. mma.sync m16n8k16 fragments straight
 // from registers as in mma_tile.cuh: a lane loads 16-byte pieces of its rows (physical columns
 // 32i + 8c .. +7) and uses them as logical k columns -- the same for both operands, so the
 // contraction is unchanged. A warp takes 16 rows.
@@ -19,8 +23,10 @@
 // rows as the B operand through movmatrix (PRTile's layout: a lane ends up with 8 contiguous
 // columns of du, stored 16 bytes at a time); dz and silu(u) staged in shared memory, where each
 // warp then reduces dW = dz^T silu(u) over the CTA's rows for a slice of W's columns (ldmatrix
-// .trans), and db = the column sums of dz. Each CTA writes its dW and db; GateHeadReduceKernel
-// sums them in a fixed order (deterministic).
+// .trans), and db = the column sums of dz. dc = the column sums of du (as rounded): each warp's
+// 16 rows by a reduce-scatter over its lanes per piece, into a shared row per warp, summed
+// across the warps at the end. Each CTA writes its dW, db and dc; one launch of SumParts sums
+// them in a fixed order (SumParts, launch_util.cuh: deterministic).
 #include <type_traits>
 
 #include "fused_launchers.h"
@@ -35,10 +41,10 @@ constexpr int kMaxTiles = kMaxN / 8;  // n8 tiles
 constexpr int kFwdWarps = 4;
 constexpr int kBwdWarps = 8;
 constexpr int kBwdRows = kBwdWarps * 16;
-constexpr int kReduceWarps = 8;
-// Inputs up to 512 features: the backward's silu(u) tile (128 rows of K + 8) and W's (64 rows of
-// K + 32) then still fit a CTA's shared memory (219 KB in all at N = 64).
-constexpr int kMaxK = 512;
+// Inputs up to 480 features: the backward's silu(u) tile (128 rows of K + 8), W's (64 rows of
+// K + 32 or K) and the warps' dc rows (8 x K floats) then still fit a CTA's shared memory
+// (217 KB at N = 64; checked below).
+constexpr int kMaxK = 480;
 
 // 1 / (1 + 2^(-x log2 e)) with the SFU's approximate exponential and reciprocal (relative error
 // a few float32 ulps, far below the 16-bit outputs' rounding; 1 / inf = 0 for very negative x).
@@ -69,13 +75,35 @@ __device__ __forceinline__ float2 Unpack(uint32_t word) {
   }
 }
 
-// silu of the 8 values of a piece, rounded to 16 bits (as the unfused silu's output was).
+// The hidden bias of a piece's 8 columns (zeros without one).
+struct PieceBias {
+  float v[8];
+  __device__ __forceinline__ PieceBias(const float* __restrict__ c, int col) {
+    if (c != nullptr) {
+      const float4 lo = __ldg(reinterpret_cast<const float4*>(c + col));
+      const float4 hi = __ldg(reinterpret_cast<const float4*>(c + col) + 1);
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.f;
+    }
+  }
+  // The pre-activation of word w's two values: u + c, float32.
+  template <bool kBf16>
+  __device__ __forceinline__ float2 Add(uint32_t word, int w) const {
+    const float2 u = Unpack<kBf16>(word);
+    return make_float2(u.x + v[2 * w], u.y + v[2 * w + 1]);
+  }
+};
+
+// silu of the 8 values of a piece plus their bias, rounded to 16 bits (as the unfused silu's
+// output was).
 template <bool kBf16>
-__device__ __forceinline__ uint4 SiluPiece(const uint4& x) {
+__device__ __forceinline__ uint4 SiluPiece(const uint4& x, const PieceBias& c) {
   uint32_t out[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    const float2 v = Unpack<kBf16>(WordOf(x, w));
+    const float2 v = c.Add<kBf16>(WordOf(x, w), w);
     out[w] = mma::Pack<kBf16>(v.x * SigmoidOf(v.x), v.y * SigmoidOf(v.y));
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
@@ -91,9 +119,9 @@ __device__ __forceinline__ uint4 SiluPiece(const uint4& x) {
 // instead of 240, static SASS).
 // Row stride 32 mod 64 elements, so that the 8 lanes of a quarter warp (rows 8j + g, g = 0, 1;
 // pieces c = 0..3) meet 8 different 16-byte bank groups.
-__host__ __device__ inline int WStride(int K) { return K % 64 == 0 ? K + 32 : K; }
-__host__ __device__ inline int WRows(int N) { return (N + 15) / 16 * 16; }
-__host__ __device__ inline size_t WTileBytes(int N, int K) { return static_cast<size_t>(WRows(N)) * WStride(K) * 2; }
+__host__ __device__ constexpr int WStride(int K) { return K % 64 == 0 ? K + 32 : K; }
+__host__ __device__ constexpr int WRows(int N) { return (N + 15) / 16 * 16; }
+__host__ __device__ constexpr size_t WTileBytes(int N, int K) { return static_cast<size_t>(WRows(N)) * WStride(K) * 2; }
 
 template <int kCtaThreads, typename scalar_t>
 __device__ __forceinline__ void StageWeight(scalar_t* tile, const scalar_t* __restrict__ w, int N, int K) {
@@ -110,8 +138,9 @@ size_t ForwardSmemBytes(int N, int K) {
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kFwdWarps * 32)
-    GateHeadForwardKernel(const scalar_t* __restrict__ u, int64_t u_stride, const scalar_t* __restrict__ w,
-                          const float* __restrict__ bias, scalar_t* __restrict__ gates, int64_t M, int N, int K) {
+    GateHeadForwardKernel(const scalar_t* __restrict__ u, int64_t u_stride, const float* __restrict__ hidden_bias,
+                          const scalar_t* __restrict__ w, const float* __restrict__ bias, scalar_t* __restrict__ gates,
+                          int64_t M, int N, int K) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -135,8 +164,9 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
 
   float acc[kMaxTiles][4] = {};
   for (int i = 0; i < pieces; ++i) {
-    const uint4 sa = SiluPiece<kBf16>(mine[64 * i]);
-    const uint4 sb = SiluPiece<kBf16>(mine[64 * i + 32]);
+    const PieceBias cb(hidden_bias, 32 * i + 8 * c);
+    const uint4 sa = SiluPiece<kBf16>(mine[64 * i], cb);
+    const uint4 sb = SiluPiece<kBf16>(mine[64 * i + 32], cb);
     // W row n = 8j + g is the B operand's column g of tile j. Every tile's load is issued
     // before the first product (predicated, not behind a branch per tile).
     uint4 wr[kMaxTiles];
@@ -173,38 +203,52 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
 
 // Shared memory of the backward: silu(u) [kBwdRows][K + 8] and dz [kBwdRows][NP + 8] (16-bit;
 // rows 16 bytes longer than their data, so that ldmatrix's 8 row addresses, an odd number of
-// 16-byte units apart, meet 8 different bank groups), the warps' db sums [kBwdWarps][kMaxN]
-// and W.
+// 16-byte units apart, meet 8 different bank groups), the warps' db sums [kBwdWarps][kMaxN],
+// their dc sums [kBwdWarps][K] (float32) and W.
 struct BwdSmem {
   int s_stride, dz_stride;  // elements
   size_t s_bytes, dz_bytes;
-  __host__ __device__ BwdSmem(int N, int K) {
-    const int np = (N + 15) / 16 * 16;
-    s_stride = K + 8;
-    dz_stride = np + 8;
-    s_bytes = static_cast<size_t>(kBwdRows) * s_stride * 2;
-    dz_bytes = static_cast<size_t>(kBwdRows) * dz_stride * 2;
-  }
-  __host__ __device__ size_t DbBytes() const { return kBwdWarps * kMaxN * sizeof(float); }
+  __host__ __device__ constexpr BwdSmem(int N, int K)
+      : s_stride(K + 8),
+        dz_stride((N + 15) / 16 * 16 + 8),
+        s_bytes(static_cast<size_t>(kBwdRows) * (K + 8) * 2),
+        dz_bytes(static_cast<size_t>(kBwdRows) * ((N + 15) / 16 * 16 + 8) * 2) {}
+  __host__ __device__ constexpr size_t DbBytes() const { return kBwdWarps * kMaxN * sizeof(float); }
+  __host__ __device__ constexpr size_t DcOffset() const { return s_bytes + dz_bytes + DbBytes(); }
   // Then W's tile (StageWeight).
-  __host__ __device__ size_t WOffset() const { return s_bytes + dz_bytes + DbBytes(); }
+  __host__ __device__ constexpr size_t WOffset(int K) const { return DcOffset() + static_cast<size_t>(kBwdWarps) * K * 4; }
 };
-size_t BackwardSmemBytes(int N, int K) { return BwdSmem(N, K).WOffset() + WTileBytes(N, K); }
+constexpr size_t BackwardSmemBytes(int N, int K) { return BwdSmem(N, K).WOffset(K) + WTileBytes(N, K); }
+// The opt-in limit of a CTA's shared memory on sm_90 (227 KB).
+static_assert(BackwardSmemBytes(kMaxN, kMaxK) <= 232448, "the gate head's backward must fit a CTA");
 
-// partial: [gridDim.x][N K + N] float32, each CTA's dW (row-major like W) then db.
+// The sum over a warp's 8 lanes of one c (lanes c, c + 4, .., c + 28) of each lane's 8 values,
+// scattered: lane g ends with the sum of value g (7 shuffles, a fixed order).
+__device__ __forceinline__ float ReduceScatter8(const float (&v)[8], int g) {
+  const bool b2 = (g & 4) != 0, b1 = (g & 2) != 0, b0 = (g & 1) != 0;
+  float h[4], q[2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = (b2 ? v[4 + j] : v[j]) + __shfl_xor_sync(0xffffffffu, b2 ? v[j] : v[4 + j], 16);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) q[j] = (b1 ? h[2 + j] : h[j]) + __shfl_xor_sync(0xffffffffu, b1 ? h[j] : h[2 + j], 8);
+  return (b0 ? q[1] : q[0]) + __shfl_xor_sync(0xffffffffu, b0 ? q[0] : q[1], 4);
+}
+
+// partial: [gridDim.x][N K + N + K] float32, each CTA's dW (row-major like W), db, then dc.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     GateHeadBackwardKernel(const scalar_t* __restrict__ dgates, const scalar_t* __restrict__ gates,
-                           const scalar_t* __restrict__ u, int64_t u_stride, const scalar_t* __restrict__ w,
-                           scalar_t* __restrict__ du, int64_t du_stride, float* __restrict__ partial, int64_t M,
-                           int N, int K) {
+                           const scalar_t* __restrict__ u, int64_t u_stride, const float* __restrict__ hidden_bias,
+                           const scalar_t* __restrict__ w, scalar_t* __restrict__ du, int64_t du_stride,
+                           float* __restrict__ partial, int64_t M, int N, int K) {
   constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const BwdSmem layout(N, K);
   auto* s_tile = reinterpret_cast<scalar_t*>(smem_raw);
   auto* dz_tile = reinterpret_cast<scalar_t*>(smem_raw + layout.s_bytes);
   auto* db_sums = reinterpret_cast<float*>(smem_raw + layout.s_bytes + layout.dz_bytes);
-  auto* w_tile = reinterpret_cast<scalar_t*>(smem_raw + layout.WOffset());
+  auto* dc_sums = reinterpret_cast<float*>(smem_raw + layout.DcOffset());
+  auto* w_tile = reinterpret_cast<scalar_t*>(smem_raw + layout.WOffset(K));
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int np16 = (N + 15) / 16;
@@ -299,10 +343,12 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       }
     }
     // acc[m]: (row a, columns 32i + 8c + 2m, +1), (row b, the same): the lane's 8 columns.
+    const PieceBias cb(hidden_bias, col);
     uint32_t dua[4], dub[4], sa[4], sb[4];
+    float dc[8];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      const float2 va = Unpack<kBf16>(WordOf(xa, m)), vb = Unpack<kBf16>(WordOf(xb, m));
+      const float2 va = cb.Add<kBf16>(WordOf(xa, m), m), vb = cb.Add<kBf16>(WordOf(xb, m), m);
       const float ga0 = SigmoidOf(va.x), ga1 = SigmoidOf(va.y), gb0 = SigmoidOf(vb.x), gb1 = SigmoidOf(vb.y);
       dua[m] = mma::Pack<kBf16>(acc[m][0] * ga0 * (1.f + va.x * (1.f - ga0)),
                                 acc[m][1] * ga1 * (1.f + va.y * (1.f - ga1)));
@@ -310,7 +356,12 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
                                 acc[m][3] * gb1 * (1.f + vb.y * (1.f - gb1)));
       sa[m] = mma::Pack<kBf16>(va.x * ga0, va.y * ga1);
       sb[m] = mma::Pack<kBf16>(vb.x * gb0, vb.y * gb1);
+      // dc sums du as rounded (what the projection's backward reads); rows past M are zeros.
+      const float2 qa = Unpack<kBf16>(dua[m]), qb = Unpack<kBf16>(dub[m]);
+      dc[2 * m] = qa.x + qb.x;
+      dc[2 * m + 1] = qa.y + qb.y;
     }
+    dc_sums[warp * K + 32 * i + 8 * c + g] = ReduceScatter8(dc, g);
     if (has_a) *reinterpret_cast<uint4*>(du + ra * du_stride + col) = make_uint4(dua[0], dua[1], dua[2], dua[3]);
     if (has_b) *reinterpret_cast<uint4*>(du + rb * du_stride + col) = make_uint4(dub[0], dub[1], dub[2], dub[3]);
     *tile_a = make_uint4(sa[0], sa[1], sa[2], sa[3]);
@@ -318,12 +369,18 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   }
   __syncthreads();
 
-  float* out = partial + static_cast<int64_t>(blockIdx.x) * (static_cast<int64_t>(N) * K + N);
+  float* out = partial + static_cast<int64_t>(blockIdx.x) * (static_cast<int64_t>(N) * K + N + K);
   if (threadIdx.x < N) {
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < kBwdWarps; ++k) v += db_sums[k * kMaxN + threadIdx.x];
     out[static_cast<int64_t>(N) * K + threadIdx.x] = v;
+  }
+  for (int x = threadIdx.x; x < K; x += kBwdWarps * 32) {
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < kBwdWarps; ++k) v += dc_sums[k * K + x];
+    out[static_cast<int64_t>(N) * K + N + x] = v;
   }
 
   // dW [N, K] = dz^T (N x 128 rows) . silu(u) (128 rows x K): warp takes the 8-column tiles t
@@ -364,37 +421,20 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   }
 }
 
-// out_w[x] (x < NK) / out_b[x - NK] = the sum over the parts of partial[p][x], p in order: a
-// CTA takes 32 columns, its warps every kReduceWarps-th part, then one sum across the warps.
-__global__ void __launch_bounds__(kReduceWarps * 32)
-    GateHeadReduceKernel(const float* __restrict__ partial, int parts, int64_t NK, int N, float* __restrict__ out_w,
-                         float* __restrict__ out_b) {
-  __shared__ float sums[kReduceWarps][32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t width = NK + N, x = static_cast<int64_t>(blockIdx.x) * 32 + lane;
-  float v = 0.f;
-  if (x < width) {
-    for (int p = warp; p < parts; p += kReduceWarps) v += partial[p * width + x];
-  }
-  sums[warp][lane] = v;
-  __syncthreads();
-  if (warp == 0 && x < width) {
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < kReduceWarps; ++k) total += sums[k][lane];
-    if (x < NK) {
-      out_w[x] = total;
-    } else {
-      out_b[x - NK] = total;
-    }
-  }
-}
-
-
 // W as the kernels read it: [N, K] contiguous 16-bit rows on 16-byte boundaries.
 at::Tensor KernelWeight(const at::Tensor& w16, const at::Tensor& u) {
   auto w = w16.to(u.scalar_type()).contiguous();
   return AlignedFor(w, 8) ? w : w.clone();
+}
+
+// No hidden bias: undefined, or empty (what an autograd node takes for "none").
+bool HasHiddenBias(const at::Tensor& hidden_bias) { return hidden_bias.defined() && hidden_bias.numel() > 0; }
+
+// c as the kernels read it: float32 [K], contiguous, on a 16-byte boundary; undefined without one.
+at::Tensor KernelHiddenBias(const at::Tensor& hidden_bias) {
+  if (!HasHiddenBias(hidden_bias)) return {};
+  auto c = hidden_bias.to(at::kFloat).contiguous().view({-1});
+  return AlignedFor(c, 4) ? c : c.clone();
 }
 
 }  // namespace
@@ -408,14 +448,19 @@ bool GateHeadTakes(const at::Tensor& u, int64_t outputs) {
          outputs >= 2 && outputs <= kMaxN && outputs % 2 == 0 && u.numel() / K < (int64_t{1} << 31);
 }
 
-at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& w16, const at::Tensor& bias) {
+at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& hidden_bias, const at::Tensor& w16,
+                           const at::Tensor& bias) {
   const int64_t N = w16.size(0), K = u.size(-1);
-  TORCH_CHECK(GateHeadTakes(u, N) && w16.dim() == 2 && w16.size(1) == K && bias.numel() == N,
+  TORCH_CHECK(GateHeadTakes(u, N) && w16.dim() == 2 && w16.size(1) == K && bias.numel() == N &&
+                  (!HasHiddenBias(hidden_bias) || hidden_bias.numel() == K),
               "GateHeadForward: u [.., K] (bf16/fp16, rows of one 16-byte-aligned stride, K a multiple of 32), "
-              "weight [N, K] and bias [N] with N even and at most ", kMaxN, "; got u ", u.sizes(), " strides ",
-              u.strides(), ", weight ", w16.sizes(), ", bias ", bias.sizes());
+              "hidden bias [K] or none, weight [N, K] and bias [N] with N even and at most ", kMaxN, "; got u ",
+              u.sizes(), " strides ", u.strides(), ", hidden bias ",
+              HasHiddenBias(hidden_bias) ? hidden_bias.sizes() : at::IntArrayRef(), ", weight ", w16.sizes(), ", bias ",
+              bias.sizes());
   const int64_t M = u.numel() / K;
   const auto w = KernelWeight(w16, u);
+  const auto c = KernelHiddenBias(hidden_bias);
   const auto b = bias.to(at::kFloat).contiguous();
   auto sizes = u.sizes().vec();
   sizes.back() = N;
@@ -423,22 +468,23 @@ at::Tensor GateHeadForward(const at::Tensor& u, const at::Tensor& w16, const at:
   const dim3 grid(static_cast<unsigned>((M + kFwdWarps * 16 - 1) / (kFwdWarps * 16)));
   AT_DISPATCH_REDUCED_FLOATING_TYPES(u.scalar_type(), "nsa_gate_head_forward", [&] {
     LaunchKernel(GateHeadForwardKernel<scalar_t>, grid, kFwdWarps * 32, ForwardSmemBytes(static_cast<int>(N), static_cast<int>(K)),
-                 u.data_ptr<scalar_t>(),
-                 CollapsedRowStride(u), w.data_ptr<scalar_t>(), b.data_ptr<float>(), gates.data_ptr<scalar_t>(), M,
-                 static_cast<int>(N), static_cast<int>(K));
+                 u.data_ptr<scalar_t>(), CollapsedRowStride(u), c.defined() ? c.data_ptr<float>() : nullptr,
+                 w.data_ptr<scalar_t>(), b.data_ptr<float>(), gates.data_ptr<scalar_t>(), M, static_cast<int>(N),
+                 static_cast<int>(K));
   });
   return gates;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> GateHeadBackward(const at::Tensor& dgates_in, const at::Tensor& gates,
-                                                                const at::Tensor& u, const at::Tensor& w16,
-                                                                const at::Tensor& du_out) {
+GateHeadGrads GateHeadBackward(const at::Tensor& dgates_in, const at::Tensor& gates, const at::Tensor& u,
+                               const at::Tensor& hidden_bias, const at::Tensor& w16, const at::Tensor& du_out) {
   const int64_t N = w16.size(0), K = u.size(-1), M = u.numel() / K;
-  TORCH_CHECK(GateHeadTakes(u, N) && gates.numel() == M * N && dgates_in.numel() == M * N,
-              "GateHeadBackward: the forward's u and gates, and a gradient of the gates' shape");
+  TORCH_CHECK(GateHeadTakes(u, N) && gates.numel() == M * N && dgates_in.numel() == M * N &&
+                  (!HasHiddenBias(hidden_bias) || hidden_bias.numel() == K),
+              "GateHeadBackward: the forward's u, hidden bias and gates, and a gradient of the gates' shape");
   const auto dgates = dgates_in.to(u.scalar_type()).contiguous();
   const auto y = gates.contiguous();
   const auto w = KernelWeight(w16, u);
+  const auto c = KernelHiddenBias(hidden_bias);
   auto du = du_out.defined() ? du_out : at::empty(u.sizes(), u.options());
   const int64_t du_stride = CollapsedRowStride(du);
   TORCH_CHECK(du.sizes() == u.sizes() && du.scalar_type() == u.scalar_type() && du.device() == u.device() &&
@@ -446,20 +492,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> GateHeadBackward(const at::Tensor
               "GateHeadBackward: du_out must be u's shape and dtype, rows of one 16-byte-aligned stride; got ",
               du.scalar_type(), " ", du.sizes(), " strides ", du.strides());
   const auto fopts = u.options().dtype(at::kFloat);
-  auto dw = at::empty({N, K}, fopts), db = at::empty({N}, fopts);
+  GateHeadGrads grads;
+  grads.du = du;
+  grads.dw = at::empty({N, K}, fopts);
+  grads.db = at::empty({N}, fopts);
+  // dc is summed with or without a hidden bias (a few columns more of the reduction).
+  auto dc = at::empty({K}, fopts);
   const int64_t ctas = (M + kBwdRows - 1) / kBwdRows;
-  auto partial = at::empty({ctas, N * K + N}, fopts);
+  const int64_t width = N * K + N + K;
+  auto partial = at::empty({ctas, width}, fopts);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(u.scalar_type(), "nsa_gate_head_backward", [&] {
     LaunchKernel(GateHeadBackwardKernel<scalar_t>, dim3(static_cast<unsigned>(ctas)), kBwdWarps * 32,
-                 BackwardSmemBytes(static_cast<int>(N), static_cast<int>(K)), dgates.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(),
-                 CollapsedRowStride(u), w.data_ptr<scalar_t>(), du.data_ptr<scalar_t>(), du_stride,
-                 partial.data_ptr<float>(), M, static_cast<int>(N), static_cast<int>(K));
+                 BackwardSmemBytes(static_cast<int>(N), static_cast<int>(K)), dgates.data_ptr<scalar_t>(),
+                 y.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), CollapsedRowStride(u),
+                 c.defined() ? c.data_ptr<float>() : nullptr, w.data_ptr<scalar_t>(), du.data_ptr<scalar_t>(),
+                 du_stride, partial.data_ptr<float>(), M, static_cast<int>(N), static_cast<int>(K));
   });
-  const int64_t width = N * K + N;
-  LaunchKernel(GateHeadReduceKernel, dim3(static_cast<unsigned>((width + 31) / 32)), kReduceWarps * 32, 0,
-               static_cast<const float*>(partial.data_ptr<float>()), static_cast<int>(ctas), N * K,
-               static_cast<int>(N), dw.data_ptr<float>(), db.data_ptr<float>());
-  return {du, dw, db};
+  SumParts(partial, {grads.dw, grads.db, dc});
+  if (HasHiddenBias(hidden_bias)) grads.dc = dc;
+  return grads;
 }
 
 }  // namespace nsad::nsa::cuda::detail

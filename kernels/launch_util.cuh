@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 
 #include "attention_tile.cuh"
@@ -107,6 +108,68 @@ inline void CheckKv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf ||
                   q.scalar_type() == at::kFloat,
               "NSA CUDA kernels take bf16, fp16 or fp32, got ", q.scalar_type());
+}
+
+// Column sums of per-CTA partials [parts, width] (float32) in a fixed order, so that they come
+// out the same every run (float atomics would not): a CTA takes 32 columns, its warps every
+// kSumPartsWarps-th part, then one sum across the warps. Column x goes to the output whose
+// range [end of the one before, end) holds it: up to kMaxPartOutputs tensors (a weight's and a
+// bias's gradient, say) filled by one launch.
+constexpr int kSumPartsWarps = 8;
+constexpr int kMaxPartOutputs = 3;
+struct PartOutputs {
+  float* out[kMaxPartOutputs];
+  int64_t end[kMaxPartOutputs];
+  int count;
+};
+template <int kWarps = kSumPartsWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+    SumPartsKernel(const float* __restrict__ partial, int parts, int64_t width, PartOutputs outs) {
+  __shared__ float sums[kWarps][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+  float v = 0.f;
+  if (x < width) {
+    for (int p = warp; p < parts; p += kWarps) v += partial[p * width + x];
+  }
+  sums[warp][lane] = v;
+  __syncthreads();
+  if (warp == 0 && x < width) {
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) total += sums[k][lane];
+    int64_t begin = 0;
+    for (int o = 0; o < outs.count; ++o) {
+      if (x < outs.end[o]) {
+        outs.out[o][x - begin] = total;
+        break;
+      }
+      begin = outs.end[o];
+    }
+  }
+}
+
+// outs, in order, take the column sums of partial [parts, width] (float32, contiguous): their
+// sizes add up to width; each is float32 and contiguous.
+inline void SumParts(const at::Tensor& partial, std::initializer_list<at::Tensor> outs) {
+  TORCH_CHECK(partial.dim() == 2 && partial.scalar_type() == at::kFloat && partial.is_contiguous(),
+              "SumParts takes float32 partials [parts, width]");
+  TORCH_CHECK(outs.size() >= 1 && outs.size() <= kMaxPartOutputs, "SumParts fills 1 to ", kMaxPartOutputs,
+              " outputs");
+  PartOutputs po{};
+  int64_t end = 0;
+  for (const auto& out : outs) {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device() == partial.device(),
+                "SumParts writes float32 contiguous outputs on the partials' device");
+    end += out.numel();
+    po.out[po.count] = out.data_ptr<float>();
+    po.end[po.count++] = end;
+  }
+  const int64_t width = partial.size(1);
+  TORCH_CHECK(end == width, "SumParts: the outputs hold ", end, " columns, the partials ", width);
+  TORCH_CHECK(partial.size(0) < (int64_t{1} << 31), "SumParts: too many parts");
+  LaunchKernel(SumPartsKernel<>, dim3(static_cast<unsigned>((width + 31) / 32)), kSumPartsWarps * 32, 0,
+               static_cast<const float*>(partial.data_ptr<float>()), static_cast<int>(partial.size(0)), width, po);
 }
 
 // delta = rowsum(a * b) over the last dim with 16-byte loads: kLanes lanes per row (one

@@ -329,60 +329,79 @@ TEST_P(FusedOpsTest, SiluOfRowSlicesMatchesTheReference) {
   ExpectClose(cuda::SiluRows(t), torch::silu(t.to(torch::kFloat)), Tolerance(), "transposed");
 }
 
-// The gate MLP's head, sigmoid(silu(u) W^T + b), from one kernel each way (kernels/gate_head.cu),
-// against the same maths on float32 (u upcast, W and b the float32 parameters): gates and the
-// gradients of u, W and b. u is a column slice of a wider tensor, as the attention's joint
-// projection hands it over; K = 32 and 3 D, N = 3 H and 2 outputs; the row counts B T of the
-// cases (1 .. 4122) leave partial CTAs. u's gradient also goes into a SharedGradient's slice,
-// with the same values. fp32 is refused (the composed ops run there).
+// The gate MLP's head, sigmoid(silu(u + c) W^T + b), from one kernel each way
+// (kernels/gate_head.cu), against the same maths on float32 (u upcast, c, W and b the float32
+// parameters): gates and the gradients of u, c, W and b. u is a column slice of a wider tensor,
+// as the attention's joint projection hands it over; K = 32 and 3 D, N = 3 H and 2 outputs; the
+// row counts B T of the cases (1 .. 4122) leave partial CTAs. With a hidden bias c and without
+// one (N = 2). u's gradient also goes into a SharedGradient's slice, with the same values. fp32
+// is refused (the composed ops run there), and so are K past 480 and a c of the wrong length.
 TEST_P(FusedOpsTest, GateHeadMatchesTheReference) {
   const FusedCase c = GetParam();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
   for (const int64_t K : {int64_t{32}, 3 * c.D}) {
     for (const int64_t N : {3 * c.H, int64_t{2}}) {
       const int64_t wide = K + 5 * c.D + 16, offset = 8;
+      const bool with_c = N != 2;
       const auto joint = torch::randn({c.B, c.T, wide}, Opts()).requires_grad_(true);
       const auto u = joint.narrow(-1, offset, K);
+      const auto hidden_bias = with_c ? (torch::randn({K}, f32) * 0.5).requires_grad_(true) : torch::Tensor();
       const auto weight = (torch::randn({N, K}, f32) / std::sqrt(static_cast<double>(K))).requires_grad_(true);
       const auto bias = (torch::randn({N}, f32) * 0.5).requires_grad_(true);
-      const std::string at = "K" + std::to_string(K) + " N" + std::to_string(N);
+      const std::string at = "K" + std::to_string(K) + " N" + std::to_string(N) + (with_c ? " with c" : "");
       if (c.dtype == torch::kFloat) {
-        EXPECT_FALSE(cuda::GateHeadTakes(u, weight, bias)) << at;
+        EXPECT_FALSE(cuda::GateHeadTakes(u, hidden_bias, weight, bias)) << at;
         continue;
       }
-      ASSERT_TRUE(cuda::GateHeadTakes(u, weight, bias)) << at;
+      ASSERT_TRUE(cuda::GateHeadTakes(u, hidden_bias, weight, bias)) << at;
+      EXPECT_FALSE(cuda::GateHeadTakes(u, torch::zeros({K + 1}, f32), weight, bias)) << at << ": c of K + 1";
       Poison();
-      const auto gates = cuda::GateHead(u, weight, bias);
+      const auto gates = cuda::GateHead(u, hidden_bias, weight, bias);
       const auto up = torch::randn(gates.sizes(), Opts());
       Poison();
-      const auto grads = torch::autograd::grad({gates}, {joint, weight, bias}, {up});
+      std::vector<torch::Tensor> inputs = {joint, weight, bias};
+      if (with_c) inputs.push_back(hidden_bias);
+      const auto grads = torch::autograd::grad({gates}, inputs, {up});
       const auto du = grads[0].narrow(-1, offset, K);
 
       const auto u32 = Upcast(u);
       const auto w32 = weight.detach().clone().requires_grad_(true), b32 = bias.detach().clone().requires_grad_(true);
-      const auto ref = torch::sigmoid(torch::linear(torch::silu(u32), w32, b32));
-      const auto ref_grads = torch::autograd::grad({ref}, {u32, w32, b32}, {up.to(torch::kFloat)});
+      const auto c32 = with_c ? hidden_bias.detach().clone().requires_grad_(true) : torch::zeros({K}, f32);
+      const auto ref = torch::sigmoid(torch::linear(torch::silu(u32 + c32), w32, b32));
+      std::vector<torch::Tensor> ref_inputs = {u32, w32, b32};
+      if (with_c) ref_inputs.push_back(c32);
+      const auto ref_grads = torch::autograd::grad({ref}, ref_inputs, {up.to(torch::kFloat)});
       ExpectClose(gates, ref, Tolerance(), "gates " + at);
       ExpectClose(du, ref_grads[0], Tolerance(), "du " + at);
-      for (int i = 1; i < 3; ++i) {
+      for (size_t i = 1; i < grads.size(); ++i) {
         const auto& got = grads[i];
-        const std::string what = (i == 1 ? "dW " : "db ") + at;
+        const std::string what = (i == 1 ? "dW " : i == 2 ? "db " : "dc ") + at;
         ASSERT_EQ(got.scalar_type(), torch::kFloat) << what;
         ASSERT_FALSE(got.isnan().any().item<bool>()) << what;
         const double err = RelErr(got, ref_grads[i]);
-        std::printf("    %-16s rel err %.2e\n", what.c_str(), err);
+        std::printf("    %-22s rel err %.2e\n", what.c_str(), err);
         EXPECT_LT(err, Tolerance()) << what;
       }
+      // dc is exactly the column sums of du as the kernel rounded it (float32 sums of 16-bit
+      // values: equal up to the order of the additions).
+      if (with_c) EXPECT_LT(RelErr(grads[3], du.to(torch::kFloat).sum(std::vector<int64_t>{0, 1})), 1e-5) << "dc = column sums of du " << at;
 
       // u's gradient into its slice of a SharedGradient (and the 16-bit weight given): the
       // same values, in place.
       const auto parts = SharedGradientParts({joint.narrow(-1, 0, offset), u});
-      const auto again = cuda::GateHead(u, weight, bias, weight.detach().to(c.dtype), parts[1]);
+      const auto again = cuda::GateHead(u, hidden_bias, weight, bias, weight.detach().to(c.dtype), parts[1]);
       const auto shared = torch::autograd::grad({again}, {u}, {up})[0];
       EXPECT_TRUE(torch::equal(again, gates)) << at;
-      EXPECT_TRUE(torch::equal(shared, torch::autograd::grad({cuda::GateHead(u, weight, bias)}, {u}, {up})[0])) << at;
+      EXPECT_TRUE(torch::equal(shared,
+                               torch::autograd::grad({cuda::GateHead(u, hidden_bias, weight, bias)}, {u}, {up})[0]))
+          << at;
       if (c.B * c.T > 1) EXPECT_EQ(shared.stride(-2), offset + K) << at;
     }
+  }
+  if (c.dtype != torch::kFloat) {
+    const auto wide_u = torch::randn({c.B, c.T, 512}, Opts());
+    EXPECT_FALSE(cuda::GateHeadTakes(wide_u, torch::Tensor(), torch::zeros({2, 512}, f32), torch::zeros({2}, f32)))
+        << "K 512";
   }
 }
 

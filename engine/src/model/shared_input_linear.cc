@@ -215,17 +215,20 @@ torch::Tensor SharedInputLinearJoint(const torch::Tensor& x,
                                     c10::intrusive_ptr<TiedGradient>())[0];
 }
 
-std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
-                                             const std::vector<torch::nn::Linear>& layers) {
+std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x, const std::vector<torch::nn::Linear>& layers,
+                                             Biases biases) {
   TORCH_CHECK(!layers.empty(), "SharedInputLinear needs at least one layer");
+  const auto added = [biases](const torch::nn::Linear& layer) {
+    return biases == Biases::kAdded && layer->bias.defined();
+  };
   std::vector<torch::Tensor> params;
   std::vector<int64_t> has_bias;
   for (const auto& layer : layers) {
     params.push_back(layer->weight);
-    has_bias.push_back(layer->bias.defined());
+    has_bias.push_back(added(layer));
   }
   for (const auto& layer : layers) {
-    if (layer->bias.defined()) params.push_back(layer->bias);
+    if (added(layer)) params.push_back(layer->bias);
   }
   // As a TensorList: autograd takes a list's tensors as inputs (a std::vector is not one).
   return SharedInputLinearFn::apply(x, at::TensorList(params), has_bias,

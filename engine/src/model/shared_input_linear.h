@@ -42,8 +42,13 @@ torch::ScalarType LinearComputeType(const torch::Tensor& x);
 // backward: each part's gradient goes into dx and its layer's gradients directly, without
 // the concatenation autograd's split backward makes, and a bias gradient sums its own part
 // only (the forward adds the biases in the GEMM's epilogue).
-std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x,
-                                             const std::vector<torch::nn::Linear>& layers);
+//
+// Biases::kLeftToCaller: no bias is added (nor gets a gradient here): the caller adds the
+// layers' biases where it reads the outputs (the attention's gate MLP adds its hidden bias
+// inside its fused head, which also sums its gradient).
+enum class Biases { kAdded, kLeftToCaller };
+std::vector<torch::Tensor> SharedInputLinear(const torch::Tensor& x, const std::vector<torch::nn::Linear>& layers,
+                                             Biases biases = Biases::kAdded);
 // Backward: where the outputs' gradients come back as adjacent column slices of one
 // [rows, sum of out_features] buffer (their consumers wrote them through a nsa::SharedGradient,
 // nsa/shared_gradient.h), one dx GEMM and one dW GEMM for all the layers; otherwise one of

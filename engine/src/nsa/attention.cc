@@ -141,7 +141,9 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
   const auto& g = geometry_;
   const auto& rope = Rope(T, x.device(), x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
 
-  const auto projected = SharedInputLinear(x, InputProjections());
+  // q_proj and kv_proj have no bias; the gate MLP's hidden bias is added (and its gradient
+  // summed) by GateHead below.
+  const auto projected = SharedInputLinear(x, InputProjections(), Biases::kLeftToCaller);
   // The three ops that read the projection's parts (q, kv, the gate MLP's hidden layer) write
   // their gradients into one buffer where their fused backwards run, so that the projection's
   // backward is one dx GEMM and one dW GEMM (nsa/shared_gradient.h). Only in a 16-bit compute
@@ -176,7 +178,8 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 
   // The rest of the gate MLP [Linear, SiLU, Linear, Sigmoid] (built in the constructor)
   // after its first layer.
-  const auto gates = GateHead(backend_, projected[2], GateOutput(), grad_parts[2]).view({B, T, H, 3});
+  const auto gates =
+      GateHead(backend_, projected[2], GateHiddenLayer()->bias, GateOutput(), grad_parts[2]).view({B, T, H, 3});
   // q is rotated (RoPE) inside, fused with the attention on the CUDA backend.
   const auto mixed = AttendAndMix(backend_, projected[0].view({B, T, H, D}), rope.tokens, k_cmp, v_cmp, k_slc,
                                   v_slc, k_win, v_win, gates, G, g, grad_parts[0], {handoff, 2}, {handoff, 3});
@@ -186,7 +189,11 @@ torch::Tensor NsaAttentionImpl::forward(const torch::Tensor& x) {
 }
 
 std::vector<torch::nn::Linear> NsaAttentionImpl::InputProjections() const {
-  return {q_proj_, kv_proj_, torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0))};
+  return {q_proj_, kv_proj_, GateHiddenLayer()};
+}
+
+torch::nn::Linear NsaAttentionImpl::GateHiddenLayer() const {
+  return torch::nn::Linear(gate_mlp_->ptr<torch::nn::LinearImpl>(0));
 }
 
 torch::nn::Linear NsaAttentionImpl::GateOutput() const {

@@ -48,7 +48,9 @@ class NsaAttentionImpl : public torch::nn::Module {
  private:
   // The three layers that read the layer input, as one GEMM: q, kv, the gate MLP's first.
   std::vector<torch::nn::Linear> InputProjections() const;
-  // The gate MLP's second layer (hidden -> 3 H gate logits).
+  // The gate MLP's first layer (dim -> hidden; its bias is added by GateHead) and second
+  // (hidden -> 3 H gate logits).
+  torch::nn::Linear GateHiddenLayer() const;
   torch::nn::Linear GateOutput() const;
   // last_stats' numbers as a [7] float32 tensor on the device (3 means, 3 stddevs, selected
   // blocks), undefined before the first forward(). (The model reads all layers at once through

@@ -236,20 +236,28 @@ torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const Gradi
   return torch::silu(x);
 }
 
-torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::nn::Linear& out,
-                       const GradientPart& dx) {
+torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::Tensor& hidden_bias,
+                       const torch::nn::Linear& out, const GradientPart& dx) {
 #ifdef NSAD_HAVE_CUDA_KERNELS
   if (UseCuda(backend) && out->bias.defined() && LinearComputeType(hidden) == hidden.scalar_type() &&
-      cuda::GateHeadTakes(hidden, out->weight, out->bias)) {
+      cuda::GateHeadTakes(hidden, hidden_bias, out->weight, out->bias)) {
     fused_calls.fetch_add(1, std::memory_order_relaxed);
     torch::Tensor w16;
     if (const auto* copies = UseWeightCopies::Current()) w16 = copies->Joint({out->weight}, hidden.scalar_type());
-    return cuda::GateHead(hidden, out->weight, out->bias, w16, dx);
+    return cuda::GateHead(hidden, hidden_bias, out->weight, out->bias, w16, dx);
   }
 #else
   UseCuda(backend);
 #endif
-  return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden, dx)));
+  if (!hidden_bias.defined()) return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden, dx)));
+  // Where hidden's gradient goes into dx, the sum stays in hidden's dtype: add's backward then
+  // hands silu's input gradient (dx's slice) to hidden as it is, where the joint projection's
+  // backward finds it. Otherwise u + c in float32 (a 16-bit hidden promoted), as the fused path
+  // adds it.
+  if (dx.defined()) {
+    return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden + hidden_bias.to(hidden.scalar_type()), dx)));
+  }
+  return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden + hidden_bias)));
 }
 
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,

@@ -99,14 +99,16 @@ torch::Tensor SwiGlu(AttentionBackend backend, const torch::Tensor& joint);
 // projection: the fused path reads the slice where it lies with 16-byte accesses, and
 // writes its gradient into dx when given (x's part of a SharedGradient).
 torch::Tensor Silu(AttentionBackend backend, const torch::Tensor& x, const GradientPart& dx = {});
-// The gate MLP after its first layer: sigmoid(out(silu(hidden))) for hidden [.., K], the first
-// layer's pre-activation (a column slice of the attention's joint projection), and out the
-// Linear K -> 3H. The fused path (CUDA backend, hidden in the compute type, bf16 or fp16, and
-// shapes cuda::GateHeadTakes takes) is one kernel each way (kernels/gate_head.cu): it reads the
-// weight's 16-bit copy where a UseWeightCopies scope holds one and writes hidden's gradient
-// into dx when given. Otherwise Silu, the linear layer (ApplyLinear) and sigmoid.
-torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::nn::Linear& out,
-                       const GradientPart& dx = {});
+// The gate MLP after its first layer's GEMM: sigmoid(out(silu(hidden + hidden_bias))) for hidden
+// [.., K], the first layer's pre-activation without its bias (a column slice of the attention's
+// joint projection), hidden_bias that layer's bias [K] (or undefined), and out the Linear K ->
+// 3H. The fused path (CUDA backend, hidden in the compute type, bf16 or fp16, and shapes
+// cuda::GateHeadTakes takes) is one kernel each way (kernels/gate_head.cu), which also sums the
+// hidden bias's gradient: it reads the weight's 16-bit copy where a UseWeightCopies scope holds
+// one and writes hidden's gradient into dx when given. Otherwise hidden + hidden_bias, Silu,
+// the linear layer (ApplyLinear) and sigmoid (dx used only without a hidden bias).
+torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, const torch::Tensor& hidden_bias,
+                       const torch::nn::Linear& out, const GradientPart& dx = {});
 // The training loss: mean cross-entropy of logits [N, V] against int64 targets [N], in
 // float32 whatever the logits' dtype (the reference: LibTorch's cross_entropy of the logits
 // cast to float32). The fused path never materialises float32 logits; its gradient comes
