@@ -19,10 +19,10 @@
 // 32i + 8c .. +7) and uses them as logical k columns -- the same for both operands, so the
 // contraction is unchanged. A warp takes 16 rows.
 //
-// Backward, per CTA of 128 rows: dz = dg g (1 - g) in registers; du = (dz W) silu'(u) with W's
+// Backward, per CTA of 128 rows: dz = dg g (1 - g) in registers; du = (dz W) silu'(u + c) with W's
 // rows as the B operand through movmatrix (PRTile's layout: a lane ends up with 8 contiguous
-// columns of du, stored 16 bytes at a time); dz and silu(u) staged in shared memory, where each
-// warp then reduces dW = dz^T silu(u) over the CTA's rows for a slice of W's columns (ldmatrix
+// columns of du, stored 16 bytes at a time); dz and silu(u + c) staged in shared memory, where each
+// warp then reduces dW = dz^T silu(u + c) over the CTA's rows for a slice of W's columns (ldmatrix
 // .trans), and db = the column sums of dz. dc = the column sums of du (as rounded): each warp's
 // 16 rows by a reduce-scatter over its lanes per piece, into a shared row per warp, summed
 // across the warps at the end. Each CTA writes its dW, db and dc; one launch of SumParts sums
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     }
   }
 
-  // du = (dz W) silu'(u), one 32-column piece at a time; silu(u) into the tile for dW.
+  // du = (dz W) silu'(u + c), one 32-column piece at a time; silu(u + c) into the tile for dW.
   mma::CpAsyncWaitAll();
   __syncthreads();  // W, copied by all
   const int ws = WStride(K);
