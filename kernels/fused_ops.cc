@@ -176,8 +176,8 @@ struct SiluRowsFn : torch::autograd::Function<SiluRowsFn> {
 };
 
 // gates = sigmoid(silu(u + c) W^T + b): differentiable w.r.t. u, c (the hidden bias; empty for
-// none: an autograd node takes no undefined input), W and b; w16 (W's 16-bit operand, no gradient of its own) is what the kernels
-// multiply by. Saves u, c, w16 and the gates.
+// none: an autograd node takes no undefined input), W and b; w16 (W's 16-bit operand, no
+// gradient of its own) is what the kernels multiply by. Saves u, c, w16 and the gates.
 struct GateHeadFn : torch::autograd::Function<GateHeadFn> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& u, const torch::Tensor& hidden_bias,
                                const torch::Tensor& weight, const torch::Tensor& bias, const torch::Tensor& w16,

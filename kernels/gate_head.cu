@@ -14,8 +14,8 @@
 // shape), latency-bound: a 16-row warp is the unit, so the grid holds about 15 warps per SM.
 //
 // u [M, K]: rows u_stride apart (a column slice of the attention's joint projection); c [K]
-// float32 or null; W [N, K] 16-bit (the weight's copy); b [N] float32; gates [M, N]. mma.sync m16n8k16 fragments straight
-// from registers as in mma_tile.cuh: a lane loads 16-byte pieces of its rows (physical columns
+// float32 or null; W [N, K] 16-bit (the weight's copy); b [N] float32; gates [M, N]. mma.sync
+// m16n8k16 fragments straight from registers as in mma_tile.cuh: a lane loads 16-byte pieces of its rows (physical columns
 // 32i + 8c .. +7) and uses them as logical k columns -- the same for both operands, so the
 // contraction is unchanged. A warp takes 16 rows.
 //
@@ -216,7 +216,9 @@ struct BwdSmem {
   __host__ __device__ constexpr size_t DbBytes() const { return kBwdWarps * kMaxN * sizeof(float); }
   __host__ __device__ constexpr size_t DcOffset() const { return s_bytes + dz_bytes + DbBytes(); }
   // Then W's tile (StageWeight).
-  __host__ __device__ constexpr size_t WOffset(int K) const { return DcOffset() + static_cast<size_t>(kBwdWarps) * K * 4; }
+  __host__ __device__ constexpr size_t WOffset(int K) const {
+    return DcOffset() + static_cast<size_t>(kBwdWarps) * K * 4;
+  }
 };
 constexpr size_t BackwardSmemBytes(int N, int K) { return BwdSmem(N, K).WOffset(K) + WTileBytes(N, K); }
 // The opt-in limit of a CTA's shared memory on sm_90 (227 KB).

@@ -384,7 +384,10 @@ TEST_P(FusedOpsTest, GateHeadMatchesTheReference) {
       }
       // dc is exactly the column sums of du as the kernel rounded it (float32 sums of 16-bit
       // values: equal up to the order of the additions).
-      if (with_c) EXPECT_LT(RelErr(grads[3], du.to(torch::kFloat).sum(std::vector<int64_t>{0, 1})), 1e-5) << "dc = column sums of du " << at;
+      if (with_c) {
+        EXPECT_LT(RelErr(grads[3], du.to(torch::kFloat).sum(std::vector<int64_t>{0, 1})), 1e-5)
+            << "dc = column sums of du " << at;
+      }
 
       // u's gradient into its slice of a SharedGradient (and the 16-bit weight given): the
       // same values, in place.

@@ -249,15 +249,14 @@ torch::Tensor GateHead(AttentionBackend backend, const torch::Tensor& hidden, co
 #else
   UseCuda(backend);
 #endif
-  if (!hidden_bias.defined()) return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden, dx)));
   // Where hidden's gradient goes into dx, the sum stays in hidden's dtype: add's backward then
   // hands silu's input gradient (dx's slice) to hidden as it is, where the joint projection's
   // backward finds it. Otherwise u + c in float32 (a 16-bit hidden promoted), as the fused path
   // adds it.
-  if (dx.defined()) {
-    return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden + hidden_bias.to(hidden.scalar_type()), dx)));
-  }
-  return torch::sigmoid(ApplyLinear(out, Silu(backend, hidden + hidden_bias)));
+  const auto pre = !hidden_bias.defined() ? hidden
+                   : dx.defined()         ? hidden + hidden_bias.to(hidden.scalar_type())
+                                          : hidden + hidden_bias;
+  return torch::sigmoid(ApplyLinear(out, Silu(backend, pre, dx)));
 }
 
 torch::Tensor CrossEntropyLoss(AttentionBackend backend, const torch::Tensor& logits,
