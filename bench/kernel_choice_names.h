@@ -16,6 +16,7 @@ using SelectedChoice = nsa::cuda::detail::SelectedKernelChoice;
 using WindowChoice = nsa::cuda::detail::WindowKernelChoice;
 using CompressedChoice = nsa::cuda::detail::CompressedKernelChoice;
 using TiledChoice = nsa::cuda::detail::TiledForwardChoice;
+using GemmChoice = nsa::cuda::detail::GemmChoice;
 
 constexpr std::pair<const char*, SelectedChoice::Fwd> kSlcFwdNames[] = {
     {"auto", SelectedChoice::Fwd::kAuto},   {"rows", SelectedChoice::Fwd::kRows},
@@ -40,6 +41,8 @@ constexpr std::pair<const char*, WindowChoice::Backward> kWinBwdNames[] = {
 constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
     {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma},
     {"wgmma1", TiledChoice::Mma::kWgmmaOneWarpgroup}};
+constexpr std::pair<const char*, GemmChoice::Algo> kGemmNames[] = {
+    {"auto", GemmChoice::Algo::kAuto}, {"cublas", GemmChoice::Algo::kCublas}, {"tuned", GemmChoice::Algo::kTuned}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
     {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct}};
 constexpr std::pair<const char*, CompressedChoice::KeySide> kCmpKeySideNames[] = {

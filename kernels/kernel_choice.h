@@ -163,4 +163,16 @@ using ScopedWindowKernelChoice =
 using ScopedTiledForwardChoice =
     ScopedKernelChoice<TiledForwardChoice, &GetTiledForwardChoice, &SetTiledForwardChoiceForTesting>;
 
+// The linear layers' GEMMs (engine/src/model/shared_input_linear.cc): kCublas runs at::mm /
+// addmm_ (cuBLAS's heuristic), kTuned cuBLASLt with the algorithm timed fastest for each
+// shape on its first call outside a CUDA graph capture (tuned_gemm.h), kAuto kCublas.
+struct GemmChoice {
+  enum class Algo { kAuto, kCublas, kTuned };
+  Algo algo = Algo::kAuto;
+};
+
+void SetGemmChoiceForTesting(const GemmChoice& choice);
+GemmChoice GetGemmChoice();
+using ScopedGemmChoice = ScopedKernelChoice<GemmChoice, &GetGemmChoice, &SetGemmChoiceForTesting>;
+
 }  // namespace nsad::nsa::cuda::detail

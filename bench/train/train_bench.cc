@@ -18,6 +18,7 @@
 //               [--slc-order auto|block|position] [--slc-qpc N]
 //               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
 //               [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
+//               [--gemm auto|cublas|tuned]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -36,6 +37,8 @@
 // kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
 // instructions (mma.sync or warpgroup MMAs, CTAs of two warpgroups or of one); auto (the default) is the dispatch training
 // uses.
+// --gemm tuned runs the linear layers' GEMMs on cuBLASLt with each shape's fastest algorithm,
+// timed on its first call (kernels/tuned_gemm.h); auto and cublas run at::mm (cuBLAS).
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
 // plus the op count per step and any op that copies to the host (a sync).
@@ -423,6 +426,16 @@ int main(int argc, char** argv) {
       std::printf("# compressed %s: %s\n", key_side ? "backward's key side" : "forward's passes", value.c_str());
 #else
       std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
+      return 2;
+#endif
+    } else if (flag == "--gemm") {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+      nsad::nsa::cuda::detail::GemmChoice choice;
+      if (!nsad::bench::ParseChoiceFlag("--gemm", nsad::bench::kGemmNames, value, choice.algo)) return 2;
+      nsad::nsa::cuda::detail::SetGemmChoiceForTesting(choice);
+      std::printf("# linear layers' GEMMs: %s\n", value.c_str());
+#else
+      std::fprintf(stderr, "--gemm needs the CUDA kernels (this build has none)\n");
       return 2;
 #endif
     } else if (flag == "--tiled-mma") {

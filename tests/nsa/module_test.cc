@@ -16,6 +16,11 @@
 #include "nsa/shared_gradient.h"
 #include "test_util.h"
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
+#include "kernel_choice.h"
+#include "tuned_gemm.h"
+#endif
+
 namespace nsad::nsa {
 namespace {
 
@@ -146,6 +151,50 @@ TEST(SharedInputLinear, BiasedPartsStayInTheAutocastType) {
   EXPECT_LT(MaxDiff(parts[1], expect), 0.05);
   EXPECT_LT(MaxDiff(single, expect), 0.05);
 }
+
+#ifdef NSAD_HAVE_CUDA_KERNELS
+// The linear layers' GEMMs on the tuned cuBLASLt path (GemmChoice::kTuned) give what cuBLAS
+// gives, up to the rounding of bf16: outputs and every gradient, through the joint backward
+// (one buffer) and the per-part one.
+TEST(SharedInputLinear, TunedGemmsMatchCublasOnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  using cuda::detail::GemmChoice;
+  torch::manual_seed(21);
+  torch::nn::Linear a(torch::nn::LinearOptions(64, 40).bias(false)), b(torch::nn::LinearOptions(64, 24).bias(false)),
+      c(torch::nn::LinearOptions(64, 72).bias(false));
+  for (auto* layer : {&a, &b, &c}) (*layer)->to(torch::kCUDA);
+  const auto x = torch::randn({4, 50, 64}, torch::kCUDA).requires_grad_(true);
+  const auto w = torch::randn({4, 50, 136}, torch::kCUDA);
+  const auto run = [&](GemmChoice::Algo algo, bool shared) {
+    const cuda::detail::ScopedGemmChoice choice({algo});
+    for (auto* layer : {&a, &b, &c}) (*layer)->zero_grad();
+    x.mutable_grad().reset();
+    at::autocast::set_autocast_enabled(torch::kCUDA, true);
+    at::autocast::set_autocast_dtype(torch::kCUDA, torch::kBFloat16);
+    const auto outs = SharedInputLinear(x, {a, b, c});
+    std::vector<GradientPart> parts(outs.size());
+    if (shared) parts = SharedGradientParts(outs);
+    std::vector<torch::Tensor> ys;
+    for (size_t i = 0; i < outs.size(); ++i) ys.push_back(IdentityIntoPart::apply(outs[i], parts[i]));
+    const auto y = torch::cat(ys, -1);
+    at::autocast::set_autocast_enabled(torch::kCUDA, false);
+    at::autocast::clear_cache();
+    y.to(torch::kFloat).mul(w).sum().backward();
+    return std::vector<torch::Tensor>{y.detach().to(torch::kFloat), x.grad().clone(), a->weight.grad().clone(),
+                                      b->weight.grad().clone(), c->weight.grad().clone()};
+  };
+  for (const bool shared : {false, true}) {
+    const auto cublas = run(GemmChoice::Algo::kCublas, shared);
+    const int64_t shapes = cuda::detail::TunedGemmShapes();
+    const auto tuned = run(GemmChoice::Algo::kTuned, shared);
+    if (!shared) EXPECT_GT(cuda::detail::TunedGemmShapes(), shapes) << "the tuned path did not run";
+    for (size_t i = 0; i < cublas.size(); ++i) {
+      const double scale = cublas[i].abs().max().item<double>();
+      EXPECT_LT(MaxDiff(tuned[i], cublas[i]) / scale, 1e-2) << "shared " << shared << ", tensor " << i;
+    }
+  }
+}
+#endif
 
 // CompressBlocks against the paper's definition written out: block j = tokens [j d, j d + l)
 // plus the position encoding, flattened, through Linear -> SiLU -> Linear. Output and every

@@ -13,6 +13,11 @@
 #include "model/row_ops.h"
 #include "model/weight_copies.h"
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
+#include "kernel_choice.h"
+#include "tuned_gemm.h"
+#endif
+
 namespace nsad {
 namespace {
 
@@ -41,13 +46,39 @@ torch::Tensor AdjacentParts(const torch::autograd::variable_list& grads, const s
   return first.as_strided({rows, width}, {width, 1});
 }
 
+// Whether this product runs on the tuned cuBLASLt path (GemmChoice::kTuned, kernel_choice.h).
+bool Tuned(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType out_dtype) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  using Algo = nsa::cuda::detail::GemmChoice::Algo;
+  return nsa::cuda::detail::GetGemmChoice().algo == Algo::kTuned && nsa::cuda::TunedMmTakes(a, b, out_dtype);
+#else
+  return false;
+#endif
+}
+
+// a @ b in out_dtype (a's, or float32 from 16-bit operands on CUDA).
+torch::Tensor Mm(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType out_dtype) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (Tuned(a, b, out_dtype)) return nsa::cuda::TunedMm(a, b, out_dtype);
+#endif
+  return out_dtype == a.scalar_type() ? at::mm(a, b) : at::mm(a, b, out_dtype);
+}
+
+// out += a @ b.
+void MmAdd(torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& b) {
+#ifdef NSAD_HAVE_CUDA_KERNELS
+  if (out.is_contiguous() && Tuned(a, b, a.scalar_type())) return nsa::cuda::TunedMmAdd(out, a, b);
+#endif
+  out.addmm_(a, b);
+}
+
 // dW = g^T x in the parameters' dtype. Where the GEMM can write it (CUDA, 16-bit operands,
 // float32 parameters) it does, instead of writing 16-bit and casting: one kernel and one
 // rounding less per weight.
 torch::Tensor WeightGradient(const torch::Tensor& g, const torch::Tensor& x2, at::ScalarType param_dtype) {
   const bool narrow = x2.scalar_type() == at::kBFloat16 || x2.scalar_type() == at::kHalf;
-  if (x2.is_cuda() && narrow && param_dtype == at::kFloat) return at::mm(g.t(), x2, param_dtype);
-  return at::mm(g.t(), x2).to(param_dtype);
+  if (x2.is_cuda() && narrow && param_dtype == at::kFloat) return Mm(g.t(), x2, param_dtype);
+  return Mm(g.t(), x2, g.scalar_type()).to(param_dtype);
 }
 
 // SharedInputLinear's autograd node. Inputs: x, then the layers' weights, then the biases of
@@ -90,7 +121,7 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
       }
       out = at::addmm(bias, x2, joint.t());
     } else {
-      out = at::mm(x2, joint.t());
+      out = Mm(x2, joint.t(), ct);
     }
     ctx->save_for_backward({x2, joint});
     ctx->saved_data["sizes"] = sizes;
@@ -135,7 +166,7 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
         out[1 + i] = dw.narrow(0, offset[i], sizes[i]);
         if (has_bias[i]) out[bias_slot[i]] = SumRows(g.narrow(1, offset[i], sizes[i])).to(param_dtype);
       }
-      out[0] = at::mm(g, joint).view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
+      out[0] = Mm(g, joint, g.scalar_type()).view(ctx->saved_data["x_sizes"].toIntVector()).to(x_dtype);
       return out;
     };
     if (!ctx->saved_data["split"].toBool()) {  // the joint output (no biases)
@@ -159,9 +190,9 @@ class SharedInputLinearFn : public torch::autograd::Function<SharedInputLinearFn
       const auto g = grads[i].reshape({-1, sizes[i]}).to(x2.scalar_type());
       const auto w = joint.narrow(0, offset[i], sizes[i]);
       if (dx.defined()) {
-        dx.addmm_(g, w);
+        MmAdd(dx, g, w);
       } else {
-        dx = at::mm(g, w);
+        dx = Mm(g, w, g.scalar_type());
       }
       out[1 + i] = WeightGradient(g, x2, param_dtype);
       if (has_bias[i]) out[bias_slot[i]] = SumRows(g).to(param_dtype);
