@@ -4,7 +4,7 @@
 // benchmarks only. kernels_test forces every path on every shape; nsa_bench --slc-fwd /
 // --slc-dkdv / --slc-dq / --slc-qpc / --cmp-kernel / --win-fwd / --win-bwd / --win-qpc /
 // --tiled-mma compares them in one binary (train_bench: --slc-fwd / --slc-dq / --slc-dkdv /
-// --win-fwd / --win-bwd / --tiled-mma).
+// --win-fwd / --win-bwd / --tiled-mma, and --gemm for the linear layers' GEMMs).
 // Nothing else sets them, so training runs the default: everything kAuto, the dispatch
 // measured in docs/PERFORMANCE.md. There is no environment switch: a forced choice is
 // visible in the code that sets it.

@@ -196,6 +196,49 @@ TEST(SharedInputLinear, TunedGemmsMatchCublasOnCuda) {
 }
 #endif
 
+// The gate MLP's head on the composed path (a head of N = 96 > 64 gates, which the fused kernel
+// refuses) with a hidden bias added by GateHead: hidden's gradient still lands in its slice of
+// the joint projection's shared gradient, so that projection's backward takes the one-buffer
+// path, and every gradient matches the same graph without the shared buffer.
+TEST(GateHead, ComposedPathWithAHiddenBiasKeepsTheSharedGradient) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(22);
+  const int64_t C = 64, K = 48, N = 96;
+  torch::nn::Linear q(torch::nn::LinearOptions(C, 32).bias(false)), hidden(C, K), out(K, N);
+  for (auto* layer : {&q, &hidden, &out}) (*layer)->to(torch::kCUDA);
+  const auto x = torch::randn({2, 40, C}, torch::kCUDA).requires_grad_(true);
+  const auto wq = torch::randn({2, 40, 32}, torch::kCUDA), wg = torch::randn({2, 40, N}, torch::kCUDA);
+  const auto run = [&](bool shared) {
+    for (auto* layer : {&q, &hidden, &out}) (*layer)->zero_grad();
+    x.mutable_grad().reset();
+    at::autocast::set_autocast_enabled(torch::kCUDA, true);
+    at::autocast::set_autocast_dtype(torch::kCUDA, torch::kBFloat16);
+    const auto outs = SharedInputLinear(x, {q, hidden}, Biases::kLeftToCaller);
+    std::vector<GradientPart> parts(outs.size());
+    if (shared) parts = SharedGradientParts(outs);
+    const auto yq = IdentityIntoPart::apply(outs[0], parts[0]);
+    const auto gates = GateHead(AttentionBackend::kCuda, outs[1], hidden->bias, out, parts[1]);
+    at::autocast::set_autocast_enabled(torch::kCUDA, false);
+    at::autocast::clear_cache();
+    EXPECT_EQ(gates.sizes(), torch::IntArrayRef({2, 40, N}));
+    (yq.to(torch::kFloat).mul(wq).sum() + gates.to(torch::kFloat).mul(wg).sum()).backward();
+    return std::vector<torch::Tensor>{gates.detach().to(torch::kFloat), x.grad().clone(),
+                                      q->weight.grad().clone(),         hidden->weight.grad().clone(),
+                                      hidden->bias.grad().clone(),      out->weight.grad().clone(),
+                                      out->bias.grad().clone()};
+  };
+  const auto separate = run(false);
+  const int64_t joint0 = JointGradientBackwards();
+  const auto shared = run(true);
+  EXPECT_EQ(JointGradientBackwards() - joint0, 1) << "the projection's backward did not find one buffer";
+  for (size_t i = 0; i < separate.size(); ++i) {
+    ASSERT_TRUE(shared[i].defined() && separate[i].defined()) << i;
+    const double scale = separate[i].abs().max().item<double>();
+    EXPECT_GT(scale, 0.0) << i;
+    EXPECT_LT(MaxDiff(shared[i], separate[i]) / scale, 1e-2) << "tensor " << i;
+  }
+}
+
 // CompressBlocks against the paper's definition written out: block j = tokens [j d, j d + l)
 // plus the position encoding, flattened, through Linear -> SiLU -> Linear. Output and every
 // gradient, for strides that divide the block length (the chunked form: r = 1, 2, 4) and
