@@ -86,4 +86,15 @@ bool ParseChoiceFlag(const char* flag, const std::pair<const char*, E> (&names)[
   return false;
 }
 
+// A choice with one field set from a flag's value (the other fields at their defaults), set
+// process-wide through `set`; false (after ParseChoiceFlag's message) for an unknown name.
+template <typename Choice, typename E, std::size_t N>
+bool SetOneFieldChoice(const char* flag, const std::pair<const char*, E> (&names)[N], const std::string& value,
+                       E Choice::*field, void (*set)(const Choice&)) {
+  Choice choice;
+  if (!ParseChoiceFlag(flag, names, value, choice.*field)) return false;
+  set(choice);
+  return true;
+}
+
 }  // namespace nsad::bench

@@ -428,24 +428,19 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
-    } else if (flag == "--gemm") {
+    } else if (flag == "--gemm" || flag == "--tiled-mma") {
 #ifdef NSAD_HAVE_CUDA_KERNELS
-      nsad::nsa::cuda::detail::GemmChoice choice;
-      if (!nsad::bench::ParseChoiceFlag("--gemm", nsad::bench::kGemmNames, value, choice.algo)) return 2;
-      nsad::nsa::cuda::detail::SetGemmChoiceForTesting(choice);
-      std::printf("# linear layers' GEMMs: %s\n", value.c_str());
+      namespace kc = nsad::nsa::cuda::detail;
+      const bool gemm = flag == "--gemm";
+      const bool ok = gemm ? nsad::bench::SetOneFieldChoice("--gemm", nsad::bench::kGemmNames, value,
+                                                            &kc::GemmChoice::algo, &kc::SetGemmChoiceForTesting)
+                           : nsad::bench::SetOneFieldChoice("--tiled-mma", nsad::bench::kTiledMmaNames, value,
+                                                            &kc::TiledForwardChoice::mma,
+                                                            &kc::SetTiledForwardChoiceForTesting);
+      if (!ok) return 2;
+      std::printf("# %s: %s\n", gemm ? "linear layers' GEMMs" : "tiled forward's MMAs", value.c_str());
 #else
-      std::fprintf(stderr, "--gemm needs the CUDA kernels (this build has none)\n");
-      return 2;
-#endif
-    } else if (flag == "--tiled-mma") {
-#ifdef NSAD_HAVE_CUDA_KERNELS
-      nsad::nsa::cuda::detail::TiledForwardChoice choice;
-      if (!nsad::bench::ParseChoiceFlag("--tiled-mma", nsad::bench::kTiledMmaNames, value, choice.mma)) return 2;
-      nsad::nsa::cuda::detail::SetTiledForwardChoiceForTesting(choice);
-      std::printf("# tiled forward's MMAs: %s\n", value.c_str());
-#else
-      std::fprintf(stderr, "--tiled-mma needs the CUDA kernels (this build has none)\n");
+      std::fprintf(stderr, "%s needs the CUDA kernels (this build has none)\n", flag.c_str());
       return 2;
 #endif
     } else if (flag == "--slc-dq" || flag == "--slc-fwd" || flag == "--slc-dkdv" || flag == "--slc-order" ||
