@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -79,18 +79,18 @@ Operand Describe(const at::Tensor& x) {
   return d;
 }
 
-// Everything an algorithm's validity and speed depend on.
+// Everything an algorithm's validity and speed depend on (D's leading dimension is m: out is
+// contiguous).
 struct Key {
   int device;
   int64_t m, n, k;
   int op_a, op_b;
-  int64_t lda, ldb, ldd;
+  int64_t lda, ldb;
   int in_type, out_type;
   bool accumulate;
   uint32_t align_a, align_b, align_d;
   auto Tie() const {
-    return std::tie(device, m, n, k, op_a, op_b, lda, ldb, ldd, in_type, out_type, accumulate, align_a, align_b,
-                    align_d);
+    return std::tie(device, m, n, k, op_a, op_b, lda, ldb, in_type, out_type, accumulate, align_a, align_b, align_d);
   }
   bool operator==(const Key& o) const { return Tie() == o.Tie(); }
 };
@@ -98,7 +98,7 @@ struct KeyHash {
   size_t operator()(const Key& k) const {
     size_t h = 0;
     const auto mix = [&h](uint64_t v) { h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    mix(k.device), mix(k.m), mix(k.n), mix(k.k), mix(k.op_a), mix(k.op_b), mix(k.lda), mix(k.ldb), mix(k.ldd);
+    mix(k.device), mix(k.m), mix(k.n), mix(k.k), mix(k.op_a), mix(k.op_b), mix(k.lda), mix(k.ldb);
     mix(k.in_type), mix(k.out_type), mix(k.accumulate), mix(k.align_a), mix(k.align_b), mix(k.align_d);
     return h;
   }
@@ -106,6 +106,14 @@ struct KeyHash {
 
 std::mutex tuned_mutex;
 std::unordered_map<Key, cublasLtMatmulAlgo_t, KeyHash> tuned;
+
+// The algorithm timed fastest for key, if any (copied out: launched without the lock).
+std::optional<cublasLtMatmulAlgo_t> Chosen(const Key& key) {
+  std::lock_guard<std::mutex> lock(tuned_mutex);
+  const auto it = tuned.find(key);
+  if (it == tuned.end()) return std::nullopt;
+  return it->second;
+}
 
 // The descriptors of one product; destroyed with it.
 struct Descriptors {
@@ -138,7 +146,7 @@ void Run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bool accumul
   // out^T [N, M] = b^T [N, K] . a^T [K, M]: cuBLASLt's A is b, its B is a.
   const Operand lt_a = Describe(b), lt_b = Describe(a);
   const cudaDataType_t in_type = CudaType(a.scalar_type()), out_type = CudaType(out.scalar_type());
-  const Key key{a.get_device(),  N, M, K, lt_a.op, lt_b.op, lt_a.ld, lt_b.ld, N, in_type, out_type, accumulate,
+  const Key key{a.get_device(), N, M, K, lt_a.op, lt_b.op, lt_a.ld, lt_b.ld, in_type, out_type, accumulate,
                 Alignment(b.data_ptr()), Alignment(a.data_ptr()), Alignment(out.data_ptr())};
 
   Descriptors desc;
@@ -159,12 +167,9 @@ void Run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bool accumul
                           desc.d, &algo, workspace, workspace_bytes, stream);
   };
 
-  {
-    std::lock_guard<std::mutex> lock(tuned_mutex);
-    if (const auto it = tuned.find(key); it != tuned.end()) {
-      Check(matmul(it->second, out.data_ptr()), "matmul");
-      return;
-    }
+  if (const auto chosen = Chosen(key)) {
+    Check(matmul(*chosen, out.data_ptr()), "matmul");
+    return;
   }
 
   Check(cublasLtMatmulPreferenceCreate(&desc.pref), "preference");

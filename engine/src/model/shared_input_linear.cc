@@ -46,15 +46,13 @@ torch::Tensor AdjacentParts(const torch::autograd::variable_list& grads, const s
   return first.as_strided({rows, width}, {width, 1});
 }
 
+#ifdef NSAD_HAVE_CUDA_KERNELS
 // Whether this product runs on the tuned cuBLASLt path (GemmChoice::kTuned, kernel_choice.h).
 bool Tuned(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType out_dtype) {
-#ifdef NSAD_HAVE_CUDA_KERNELS
   using Algo = nsa::cuda::detail::GemmChoice::Algo;
   return nsa::cuda::detail::GetGemmChoice().algo == Algo::kTuned && nsa::cuda::TunedMmTakes(a, b, out_dtype);
-#else
-  return false;
-#endif
 }
+#endif
 
 // a @ b in out_dtype (a's, or float32 from 16-bit operands on CUDA).
 torch::Tensor Mm(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType out_dtype) {
