@@ -37,8 +37,8 @@
 // kernel or FlashAttention-2's), --tiled-mma the tiled forward's matrix
 // instructions (mma.sync or warpgroup MMAs, CTAs of two warpgroups or of one); auto (the default) is the dispatch training
 // uses.
-// --gemm tuned runs the linear layers' GEMMs on cuBLASLt with each shape's fastest algorithm,
-// timed on its first call (kernels/tuned_gemm.h); auto and cublas run at::mm (cuBLAS).
+// --gemm tuned (and auto) runs the linear layers' GEMMs on cuBLASLt with each shape's fastest
+// algorithm, timed on its first call (kernels/tuned_gemm.h); cublas runs at::mm (cuBLAS).
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
 // plus the op count per step and any op that copies to the host (a sync).

@@ -47,10 +47,11 @@ torch::Tensor AdjacentParts(const torch::autograd::variable_list& grads, const s
 }
 
 #ifdef NSAD_HAVE_CUDA_KERNELS
-// Whether this product runs on the tuned cuBLASLt path (GemmChoice::kTuned, kernel_choice.h).
+// Whether this product runs on the tuned cuBLASLt path (GemmChoice kAuto and kTuned,
+// kernel_choice.h).
 bool Tuned(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType out_dtype) {
   using Algo = nsa::cuda::detail::GemmChoice::Algo;
-  return nsa::cuda::detail::GetGemmChoice().algo == Algo::kTuned && nsa::cuda::TunedMmTakes(a, b, out_dtype);
+  return nsa::cuda::detail::GetGemmChoice().algo != Algo::kCublas && nsa::cuda::TunedMmTakes(a, b, out_dtype);
 }
 #endif
 
