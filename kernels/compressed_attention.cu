@@ -337,13 +337,21 @@ __host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, in
 // this tile's own last spill, which the caller stores (column 2 kNt) or carries on. With
 // n_end < kNt (warp-uniform) only the first n_end n8 tiles are mapped (the rest of P is 0),
 // and carry is the spill of tile n_end - 1, for column 2 n_end.
-template <int kNt>
+// kTimes2d: p holds 2 d P (the importance pass folds log2(2d) into its lse), so a key's weights
+// are 1 and 1/2 and each mapped pair costs one FFMA and one FMUL; otherwise the weights 2d and
+// d are the lane's constants (one FFMA and two FMULs). Either way the result is what d (2 p0
+// + w p1) rounds to when d is a power of two (scaling by a power of two is exact).
+template <int kNt, bool kTimes2d = false>
 __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
                                                    int lane, float (&carry)[2], int n_end = kNt) {
   constexpr unsigned kAll = 0xffffffffu;
   const int c = lane & 3;
   const bool odd = (c & 1) != 0;
   const int spill_src = (lane & ~3) | (c >= 2 ? 1 : 3);
+  // own = w0 p0 + w1 p1 (the lane's block), spill = ws p1 (the next block's share of key 4s+3).
+  const float w0 = kTimes2d ? 1.f : 2.f * d;
+  const float w1 = kTimes2d ? (odd ? 0.5f : 1.f) : (odd ? d : 2.f * d);
+  const float ws = kTimes2d ? (odd ? 0.5f : 0.f) : (odd ? d : 0.f);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float* const x = x_row + h * 8 * x_ld;
@@ -352,8 +360,8 @@ __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], flo
     for (int n = 0; n < kNt; ++n) {
       if (n >= n_end) break;
       const float p0 = p[n][2 * h], p1 = p[n][2 * h + 1];
-      const float own = d * (2.f * p0 + (odd ? 1.f : 2.f) * p1);
-      const float spill = odd ? d * p1 : 0.f;
+      const float own = kTimes2d ? fmaf(w1, p1, p0) : fmaf(w1, p1, w0 * p0);
+      const float spill = ws * p1;
       const float pair = own + __shfl_xor_sync(kAll, own, 1);
       const float in = __shfl_sync(kAll, c == 3 ? prev_spill : spill, spill_src);
       if (!odd) x[2 * n + (c >> 1)] = pair + in;
@@ -364,10 +372,10 @@ __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], flo
 }
 
 // One tile on its own: no spill comes in, the last one is stored in column 2 kNt.
-template <int kNt>
+template <int kNt, bool kTimes2d = false>
 __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_row, int x_ld, float d, int lane) {
   float carry[2] = {0.f, 0.f};
-  QuadMapRowsCarried<kNt>(p, x_row, x_ld, d, lane, carry);
+  QuadMapRowsCarried<kNt, kTimes2d>(p, x_row, x_ld, d, lane, carry);
   if ((lane & 3) == 3) {
     x_row[2 * kNt] = carry[0];
     x_row[8 * x_ld + 2 * kNt] = carry[1];
@@ -392,7 +400,10 @@ struct CmpCtaRows {
 // 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
 // registers and forward + importance went 5.84 -> 6.99 ms at 12:2, 29.5 -> 34.3 ms at 64:4.
 // kQuadMap (importance only): X by QuadMapRows, for the geometry QuadMapApplies to; its own
-// instance, so that the W product's registers do not weigh on it.
+// instance, so that the W product's registers do not weigh on it. ptxas (CUDA 13.0, sm_90a):
+// the D=64 quad instance spills 20 bytes and reloads 36 since it maps 2 d P and skips the
+// mask on unmasked tiles (64 and 64 before; 64k D64 12:2 compressed forward + importance
+// 2.77-2.82 -> 2.62-2.63 ms, PERFORMANCE.md).
 template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false>
 __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>::kThreads,
                                   kImportance ? (D == 64 ? 4 : 2) : (D == 64 ? 2 : 1))
@@ -457,10 +468,12 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   if constexpr (!kImportance) {
     st.Init();
   } else {
+    // The quad map takes 2 d P (QuadMapRowsCarried's kTimes2d): exp2(S - (lse - log2(2d))).
+    const float lse_shift = kQuadMap ? log2f(2.f * static_cast<float>(cmp_stride)) : 0.f;
 #pragma unroll
     for (int m = 0; m < kM; ++m)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] : INFINITY;
+      for (int h = 0; h < 2; ++h) row_lse[m][h] = row_valid[m][h] ? lse[row_index[m][h]] - lse_shift : INFINITY;
     sb_tiles = (CmpTileSpan(kN, cmp_block, cmp_stride, slc_block) + 7) / 8;
     // Overlap in tokens of tile block j ([j d, j d + l)) with tile selection block n.
     const auto overlap = [&](int j, int n) {
@@ -500,19 +513,30 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
         // P = exp2(S - lse), then X = P W into shared memory: by QuadMapRows in the paper's
         // geometry, else as a product where P goes in as two fp16 parts (P = hi + lo, lo the
         // rounding residual), so X keeps ~fp32 accuracy.
+        // Only a CTA's last tile holds keys some of its rows do not see: with the quad map the
+        // other tiles skip the per-score mask (the product instances keep one path: two raised
+        // their spills, ptxas). With the quad map P here is 2 d P (row_lse is lse - log2(2d)).
 #pragma unroll
         for (int m = 0; m < kM; ++m) {
+          if (kQuadMap && !masked) {
 #pragma unroll
-          for (int n = 0; n < kNt; ++n) {
+            for (int n = 0; n < kNt; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int h = e >> 1, key = key0 + 8 * n + 2 * c + (e & 1);
-              float& x = sc[m][n][e];
-              x = (!masked || key < row_vis[m][h]) ? mma::Exp2(x * scale_log2 - row_lse[m][h]) : 0.f;
+              for (int e = 0; e < 4; ++e) sc[m][n][e] = mma::Exp2(sc[m][n][e] * scale_log2 - row_lse[m][e >> 1]);
+            }
+          } else {
+#pragma unroll
+            for (int n = 0; n < kNt; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1, key = key0 + 8 * n + 2 * c + (e & 1);
+                float& x = sc[m][n][e];
+                x = (!masked || key < row_vis[m][h]) ? mma::Exp2(x * scale_log2 - row_lse[m][h]) : 0.f;
+              }
             }
           }
           if constexpr (kQuadMap) {
-            QuadMapRows<kNt>(sc[m], xs + (16 * (kM * warp + m) + g) * Cfg::kXld, Cfg::kXld, overlap_d, lane);
+            QuadMapRows<kNt, true>(sc[m], xs + (16 * (kM * warp + m) + g) * Cfg::kXld, Cfg::kXld, overlap_d, lane);
           } else {
             float xa[Cfg::kSbTiles][4];
 #pragma unroll
