@@ -214,10 +214,12 @@ std::string FormatGates(const nsa::v1::InspectGatesResponse& response) {
 
 std::string FormatThroughput(const nsa::v1::GetThroughputResponse& response) {
   using A = Table::Align;
-  Table table({"RUN_ID", "STEP", "TOK/S", "MEAN_TOK/S", "STEP_TIME", "DATA_TIME", "TOKENS_SEEN"},
-              {A::kLeft, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight});
+  Table table({"RUN_ID", "STEP", "TOK/S", "RECENT_TOK/S", "MEAN_TOK/S", "STEP_TIME", "DATA_TIME", "TOKENS_SEEN"},
+              {A::kLeft, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight, A::kRight});
   table.AddRow({response.run_id(), std::to_string(response.step()),
                 FormatRate(response.tokens_per_second()),
+                FormatRate(response.recent_tokens_per_second()) + " (" +
+                    std::to_string(response.recent_steps()) + ")",
                 FormatRate(response.mean_tokens_per_second()),
                 FormatStepTime(response.step_seconds()), FormatStepTime(response.data_seconds()),
                 std::to_string(response.tokens_seen())});

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "config_mapping.h"
+#include "recent_throughput.h"
 
 namespace nsad::server {
 
@@ -73,6 +74,7 @@ struct RunManager::Run {
   bool has_gates = false;
   double step_seconds = 0.0;
   double data_seconds = 0.0;  // of the last step's step_seconds
+  RecentThroughput recent;    // steps this daemon ran (a restart starts it afresh)
   std::thread thread;
 };
 
@@ -302,6 +304,8 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     }
     run->step_seconds = m.step_seconds;
     run->data_seconds = m.data_seconds;
+    // The step's tokens as its rate says (tokens_seen restarts from a checkpoint on resume).
+    run->recent.Add(m.tokens_per_second * m.step_seconds, m.step_seconds);
     run->gates = gates;
     run->has_gates = true;
     run->info.set_updated_unix_ms(NowMs());
@@ -537,6 +541,8 @@ grpc::Status RunManager::Throughput(const std::string& run_id,
   out->set_data_seconds(run->data_seconds);
   out->set_mean_tokens_per_second(p.elapsed_seconds() > 0 ? p.tokens_seen() / p.elapsed_seconds()
                                                            : 0.0);
+  out->set_recent_tokens_per_second(run->recent.TokensPerSecond());
+  out->set_recent_steps(run->recent.steps());
   return grpc::Status::OK;
 }
 

@@ -143,6 +143,8 @@ class FakeTrainer final : public nsa::v1::Trainer::Service {
     response->set_run_id(request->run_id());
     response->set_tokens_per_second(5000);
     response->set_mean_tokens_per_second(4500);
+    response->set_recent_tokens_per_second(4900);
+    response->set_recent_steps(12);
     response->set_step_seconds(0.25);
     response->set_data_seconds(0.00018);
     response->set_step(12);
@@ -283,6 +285,8 @@ TEST_F(CommandsTest, GatesAndThroughput) {
   EXPECT_NE(out_.str().find("0.200 ±0.000"), std::string::npos) << out_.str();
   ASSERT_EQ(Run({"throughput", "r1"}), kExitOk) << err_.str();
   EXPECT_NE(out_.str().find("4500"), std::string::npos) << out_.str();
+  EXPECT_NE(out_.str().find("RECENT_TOK/S"), std::string::npos) << out_.str();
+  EXPECT_NE(out_.str().find("4900 (12)"), std::string::npos) << out_.str();
   EXPECT_NE(out_.str().find("250.00ms"), std::string::npos) << out_.str();
   EXPECT_NE(out_.str().find("DATA_TIME"), std::string::npos) << out_.str();
   // A healthy data time is a fraction of a millisecond: it must not print as zero.

@@ -4,6 +4,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -216,6 +217,14 @@ TEST_F(DaemonTest, StartWatchPauseResumeHalt) {
     ASSERT_TRUE(daemon_->stub().GetThroughput(&ctx, request, &tput).ok());
     EXPECT_GT(tput.tokens_per_second(), 0.0);
     EXPECT_EQ(tput.tokens_seen(), final_step * 64 * 2);
+    // Every step this daemon ran, up to 100: the window's rate lies between its slowest and
+    // fastest steps, so it is positive and no more than the run's total over its fastest time.
+    EXPECT_EQ(tput.recent_steps(), std::min<int64_t>(final_step, 100));
+    EXPECT_GT(tput.recent_tokens_per_second(), 0.0);
+    if (final_step <= 100) {
+      EXPECT_NEAR(tput.recent_tokens_per_second(), tput.mean_tokens_per_second(),
+                  1e-6 * tput.mean_tokens_per_second());
+    }
     EXPECT_GT(tput.data_seconds(), 0.0);  // the last step's batch, through the worker
     EXPECT_LT(tput.data_seconds(), tput.step_seconds());
   }
