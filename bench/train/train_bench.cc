@@ -18,7 +18,7 @@
 //               [--slc-order auto|block|position] [--slc-qpc N]
 //               [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--tiled-mma auto|sync|wgmma|wgmma1] [--gate-stats 0]
 //               [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
-//               [--gemm auto|cublas|tuned]
+//               [--gemm auto|cublas|tuned] [--batch-pool N] [--lr-warmup 1] [--spread 1]
 // --cuda-graphs 1 captures the step in a CUDA graph after the warm-up and replays it (the
 // trainer's cuda_graphs, trainer/step_graph.h); "0,1" (the default) measures each variant
 // both ways (rows "+graph"; nsa-reference eager only). --torch-optim 1 adds a row per variant with the trainer's previous
@@ -39,6 +39,12 @@
 // uses.
 // --gemm tuned (and auto) runs the linear layers' GEMMs on cuBLASLt with each shape's fastest
 // algorithm, timed on its first call (kernels/tuned_gemm.h); cublas runs at::mm (cuBLAS).
+// --batch-pool N cycles the step's input through N different random batches (default 1: the
+// same batch every step) and --lr-warmup 1 sets each step's learning rate by the trainer's
+// schedule with m7c's warmup (trainer/schedule.h; default: 6e-4 throughout), both as the
+// daemon trains; --spread 1 prints the timed steps' minimum, 90th percentile and maximum
+// under each row. Together they tell a step time that follows the data and the weights from
+// one the bench's repeated batch hides (PERFORMANCE.md, thirty-first session).
 // --profile N records one extra step with the legacy LibTorch profiler (CUDA events, no
 // kineto needed) and prints the N ops with the most host time and with the most GPU time,
 // plus the op count per step and any op that copies to the host (a sync).
@@ -63,6 +69,7 @@
 #include "model/transformer.h"
 #include "nsa/dispatch.h"
 #include "trainer/optimizer.h"
+#include "trainer/schedule.h"
 #include "trainer/step_graph.h"
 #ifdef NSAD_HAVE_CUDA_KERNELS
 #include "kernel_choice_names.h"
@@ -137,10 +144,14 @@ struct Options {
   bool fused_loss = true;
   AttentionBackend loss_backend = AttentionBackend::kCuda;
   bool gate_stats = true;  // NSA steps end with the gate statistics, as the trainer's do
+  int batch_pool = 1;       // distinct input batches, cycled step by step
+  bool lr_warmup = false;   // the trainer's schedule from step 0 instead of a constant lr
+  bool spread = false;      // print min / p90 / max of the timed steps
 };
 
 struct Result {
   double median_ms = 0, tokens_per_second = 0;
+  double min_ms = 0, p90_ms = 0, max_ms = 0;
   int64_t parameters = 0;
   std::string error;
 };
@@ -214,6 +225,9 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
   optim.lr = 6e-4f;
   optim.weight_decay = 0.1f;
   optim.grad_clip = 1.0f;
+  optim.warmup_steps = 700;  // --lr-warmup
+  optim.min_lr = 6e-5f;
+  constexpr int64_t kMaxSteps = 50000;
   nsad::AdamW optimizer = nsad::AdamW::ForModel(model->parameters(), optim);
   optimizer.SetLr(optim.lr);
   std::optional<nsad::StepGraph> graph;
@@ -222,8 +236,12 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     graph.emplace(cuda);
     stream = graph->UseStream();
   }
-  const auto tokens = torch::randint(vocab, {batch, seq + 1}, torch::TensorOptions().dtype(torch::kLong).device(cuda));
-  const auto batch_tokens = tokens.clone();  // the step's input buffer (static under a graph)
+  std::vector<torch::Tensor> pool;  // --batch-pool: the step's inputs, cycled
+  for (int i = 0; i < std::max(1, opt.batch_pool); ++i) {
+    pool.push_back(torch::randint(vocab, {batch, seq + 1}, torch::TensorOptions().dtype(torch::kLong).device(cuda)));
+  }
+  const auto batch_tokens = pool[0].clone();  // the step's input buffer (static under a graph)
+  int64_t step_index = 0;  // steps run so far, warm-up included
   const auto inputs = batch_tokens.narrow(1, 0, seq), targets = batch_tokens.narrow(1, 1, seq);
   // Phase boundaries: with `sync` each phase ends with a device synchronisation and its time
   // lands in `phase_ms` (host enqueue time in `enqueue_ms`, taken before the sync).
@@ -300,8 +318,9 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
       ++phase;
       t0 = std::chrono::steady_clock::now();
     };
-    batch_tokens.copy_(tokens);
-    optimizer.SetLr(optim.lr);
+    batch_tokens.copy_(pool[step_index % static_cast<int64_t>(pool.size())]);
+    optimizer.SetLr(opt.lr_warmup ? nsad::ScheduledLr(optim, step_index, kMaxSteps) : optim.lr);
+    ++step_index;
     torch::Tensor readout;
     if (opt.torch_optim) {
       legacy->zero_grad(true);
@@ -331,6 +350,13 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
     ms.push_back(MsSince(t0));
   }
   r.median_ms = Median(ms);
+  if (!ms.empty()) {
+    std::vector<double> sorted = ms;
+    std::sort(sorted.begin(), sorted.end());
+    r.min_ms = sorted.front();
+    r.max_ms = sorted.back();
+    r.p90_ms = sorted[std::min(sorted.size() - 1, sorted.size() * 9 / 10)];
+  }
   r.tokens_per_second = batch * seq / (r.median_ms / 1e3);
   if (opt.breakdown && !graph) {
     for (int i = 0; i < steps; ++i) step(true);
@@ -398,6 +424,16 @@ int main(int argc, char** argv) {
       opt.fused_loss = value != "0";
     } else if (flag == "--gate-stats") {
       opt.gate_stats = value != "0";
+    } else if (flag == "--batch-pool") {
+      opt.batch_pool = std::stoi(value);
+      if (opt.batch_pool < 1) {
+        std::fprintf(stderr, "--batch-pool takes a count of 1 or more\n");
+        return 2;
+      }
+    } else if (flag == "--lr-warmup") {
+      opt.lr_warmup = value != "0";
+    } else if (flag == "--spread") {
+      opt.spread = value != "0";
     } else if (flag == "--profile") {
       opt.profile_top = std::stoi(value);
     } else if (flag == "--win-fwd" || flag == "--win-bwd") {
@@ -518,6 +554,9 @@ int main(int argc, char** argv) {
         } else {
           std::printf("%-24s %5d %12lld %12.2f %12.0f\n", name.c_str(), batch,
                       static_cast<long long>(r.parameters), r.median_ms, r.tokens_per_second);
+          if (opt.spread) {
+            std::printf("  timed steps: min %.2f  p90 %.2f  max %.2f ms\n", r.min_ms, r.p90_ms, r.max_ms);
+          }
         }
         std::fflush(stdout);
       }

@@ -22,6 +22,7 @@
 #include "trainer/nonfinite.h"
 #include "trainer/optimizer.h"
 #include "trainer/runtime.h"
+#include "trainer/schedule.h"
 #include "trainer/step_graph.h"
 
 namespace nsad {
@@ -48,16 +49,6 @@ class AutocastScope {
   bool enabled_;
   bool previous_ = false;
 };
-
-// Linear warmup to lr, then cosine decay to min_lr at max_steps (step counts from 0).
-double ScheduledLr(const OptimConfig& o, int64_t step, int64_t max_steps) {
-  if (o.warmup_steps > 0 && step < o.warmup_steps) {
-    return o.lr * static_cast<double>(step + 1) / o.warmup_steps;
-  }
-  const double span = std::max<int64_t>(1, max_steps - o.warmup_steps);
-  const double progress = std::min(1.0, (step - o.warmup_steps) / span);
-  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(M_PI * progress));
-}
 
 // Sets the model's diagnostics tap for one scope (a step that injects a fault, or the
 // re-run that localises a non-finite value) and always unsets it again.
