@@ -166,7 +166,7 @@ using ScopedTiledForwardChoice =
 // The linear layers' GEMMs (engine/src/model/shared_input_linear.cc): kCublas runs at::mm /
 // addmm_ (cuBLAS's heuristic), kTuned cuBLASLt with the algorithm timed fastest for each
 // shape on its first call outside a CUDA graph capture (tuned_gemm.h), kAuto kTuned
-// (measured: docs/PERFORMANCE.md, thirtieth session).
+// (measured: docs/PERFORMANCE.md, thirtieth and thirty-first sessions).
 struct GemmChoice {
   enum class Algo { kAuto, kCublas, kTuned };
   Algo algo = Algo::kAuto;

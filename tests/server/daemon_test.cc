@@ -217,8 +217,8 @@ TEST_F(DaemonTest, StartWatchPauseResumeHalt) {
     ASSERT_TRUE(daemon_->stub().GetThroughput(&ctx, request, &tput).ok());
     EXPECT_GT(tput.tokens_per_second(), 0.0);
     EXPECT_EQ(tput.tokens_seen(), final_step * 64 * 2);
-    // Every step this daemon ran, up to 100: the window's rate lies between its slowest and
-    // fastest steps, so it is positive and no more than the run's total over its fastest time.
+    // The window holds every step this daemon ran, up to 100; under 100 steps it covers the
+    // whole run, so its rate is the run's mean (tokens over summed step time).
     EXPECT_EQ(tput.recent_steps(), std::min<int64_t>(final_step, 100));
     EXPECT_GT(tput.recent_tokens_per_second(), 0.0);
     if (final_step <= 100) {
