@@ -490,6 +490,15 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
     }
   }
 
+  // The importance's per-tile constants (see the walk after each tile): selection blocks a
+  // tile starts past the one before, those a full tile touches, and its item walk. The quad
+  // map's instances only: in the product's, five more live registers raised the spills (D128
+  // from 0 to 36 bytes, ptxas), and they keep the divisions of every tile.
+  const int sb_per_tile = kQuadMap ? kN * cmp_stride / slc_block : 0;
+  const int full_span = kQuadMap ? CmpTileSpan(kN, cmp_block, cmp_stride, slc_block) : 1;
+  const int full_step_pos = Cfg::kThreads / full_span, full_step_col = Cfg::kThreads - full_step_pos * full_span;
+  const int full_pos0 = static_cast<int>(threadIdx.x) / full_span,
+            full_col0 = static_cast<int>(threadIdx.x) - full_pos0 * full_span;
   if (tiles > 0) {
     stage(0);
     mma::CpAsyncCommit();
@@ -571,17 +580,28 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
     }
     if constexpr (kImportance) {
       __syncthreads();  // X of every row is staged
-      const int count = min(kN, vis_end - key0);
-      const int sb_lo = key0 * cmp_stride / slc_block;
-      const int sb_hi = min(NS - 1, ((key0 + count - 1) * cmp_stride + cmp_block - 1) / slc_block);
+      // A tile starts on a selection-block boundary (kN d is a multiple of l', checked on the
+      // host), so a full tile's blocks are sb_lo + [0, full_span) and its item walk is the
+      // same every tile (hoisted above the loop); with the quad map only the last tile divides.
+      const int sb_lo = kQuadMap ? tile * sb_per_tile : key0 * cmp_stride / slc_block;
+      const bool full = kQuadMap && tile + 1 < tiles && sb_lo + full_span <= NS;
+      int sb_hi, ncol, step_pos, step_col, pos, col;
+      if (full) {
+        sb_hi = sb_lo + full_span - 1;
+        ncol = full_span, step_pos = full_step_pos, step_col = full_step_col, pos = full_pos0, col = full_col0;
+      } else {
+        const int count = min(kN, vis_end - key0);
+        sb_hi = min(NS - 1, ((key0 + count - 1) * cmp_stride + cmp_block - 1) / slc_block);
+        ncol = sb_hi - sb_lo + 1;
+        // Items (pos, col) = thread + k kThreads, walked without a division per item.
+        step_pos = Cfg::kThreads / ncol, step_col = Cfg::kThreads - step_pos * ncol;
+        pos = threadIdx.x / ncol, col = threadIdx.x - pos * ncol;
+      }
       // Selection blocks from sb_next on get more from the next tile: carry them.
-      const int sb_next = tile + 1 < tiles ? (key0 + kN) * cmp_stride / slc_block : sb_hi + 1;
-      const int ncol = sb_hi - sb_lo + 1;
+      const int sb_next =
+          tile + 1 < tiles ? (kQuadMap ? sb_lo + sb_per_tile : (key0 + kN) * cmp_stride / slc_block) : sb_hi + 1;
       const float* carry_in = carry_s + (tile & 1) * Cfg::kRows * Cfg::kMaxCarry;
       float* carry_out = carry_s + ((tile + 1) & 1) * Cfg::kRows * Cfg::kMaxCarry;
-      // Items (pos, col) = thread + k kThreads, walked without a division per item.
-      const int step_pos = Cfg::kThreads / ncol, step_col = Cfg::kThreads - step_pos * ncol;
-      int pos = threadIdx.x / ncol, col = threadIdx.x - pos * ncol;
       while (pos < positions) {
         const float* x = xs + pos * hq * Cfg::kXld + col;
         float sum = col < carried ? carry_in[pos * Cfg::kMaxCarry + col] : 0.f;
