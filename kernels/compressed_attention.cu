@@ -382,6 +382,31 @@ __device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_r
   }
 }
 
+// QuadMapRows for rows g and g + 8 that are two heads of one position (LaneRows' kPairs order):
+// their 2 d P added first, then mapped once into the position's X row for that head pair, the
+// last spill in column 2 kNt. Half the map's shuffles, selects and stores per score, and half
+// the X rows for the heads' sum after it.
+template <int kNt>
+__device__ __forceinline__ void QuadMapPairedRows(const float (&p)[kNt][4], float* x_row, int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int c = lane & 3;
+  const bool odd = (c & 1) != 0;
+  const int spill_src = (lane & ~3) | (c >= 2 ? 1 : 3);
+  const float w1 = odd ? 0.5f : 1.f, ws = odd ? 0.5f : 0.f;  // QuadMapRowsCarried's kTimes2d weights
+  float prev_spill = 0.f;
+#pragma unroll
+  for (int n = 0; n < kNt; ++n) {
+    const float p0 = p[n][0] + p[n][2], p1 = p[n][1] + p[n][3];
+    const float own = fmaf(w1, p1, p0);
+    const float spill = ws * p1;
+    const float pair = own + __shfl_xor_sync(kAll, own, 1);
+    const float in = __shfl_sync(kAll, c == 3 ? prev_spill : spill, spill_src);
+    if (!odd) x_row[2 * n + (c >> 1)] = pair + in;
+    prev_spill = spill;
+  }
+  if (c == 3) x_row[2 * kNt] = prev_spill;
+}
+
 // The query positions a CTA of the query-side kernels (forward, importance, one pass, dQ)
 // takes: grid x counts slices of positions_per_cta from the end, so the longest rows start
 // first; y is the KV group, z the batch.
@@ -399,11 +424,11 @@ struct CmpCtaRows {
 // (128 registers, 52 bytes of spill; 164 and three CTAs without the bound), 1.90 -> 1.82 ms at
 // 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
 // registers and forward + importance went 5.84 -> 6.99 ms at 12:2, 29.5 -> 34.3 ms at 64:4.
-// kQuadMap (importance only): X by QuadMapRows, for the geometry QuadMapApplies to; its own
-// instance, so that the W product's registers do not weigh on it. ptxas (CUDA 13.0, sm_90a):
-// the D=64 quad instance spills 20 bytes and reloads 36 since it maps 2 d P and skips the
-// mask on unmasked tiles (64 and 64 before; 64k D64 12:2 compressed forward + importance
-// 2.77-2.82 -> 2.62-2.63 ms, PERFORMANCE.md).
+// kQuadMap (importance only): X by QuadMapPairedRows over LaneRows' paired row order (an even
+// head count per group), for the geometry QuadMapApplies to; its own instance, so that the W
+// product's registers do not weigh on it. ptxas (CUDA 13.0, sm_90a): the D=64 and D=128 quad
+// instances spill 20 bytes and reload 20 (24/24 and 16/16 before the pairing; 64 and 64 at
+// D=64 before the pass mapped 2 d P and skipped the mask on unmasked tiles).
 template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false>
 __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>::kThreads,
                                   kImportance ? (D == 64 ? 4 : 2) : (D == 64 ? 2 : 1))
@@ -425,7 +450,10 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
 
   // The lane's rows (m16 tile m, half h) and the compressed keys each sees.
-  const smem_fwd::LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
+  // With the quad map a lane's two rows of a tile are two heads of one position (kPairs), whose
+  // P the map adds before mapping (QuadMapPairedRows): X has a row per (position, head pair).
+  const smem_fwd::LaneRows<kM, kQuadMap> lr(s, b, grp, t0, rows, warp, lane);
+  const int x_rows = kQuadMap ? hq / 2 : hq;  // X rows per position
   const auto& row_index = lr.index;
   const auto& row_valid = lr.valid;
   int row_vis[kM][2];
@@ -459,7 +487,6 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   float* const carry_s = xs + Cfg::kRows * Cfg::kXld;  // [2][position][kMaxCarry]
   uint2* const w_frags = reinterpret_cast<uint2*>(carry_s + 2 * Cfg::kRows * Cfg::kMaxCarry);
   int sb_tiles = 0, carried = 0, sb_end = 0;  // sb_end: selection blocks written so far
-  const float overlap_d = static_cast<float>(cmp_stride);  // QuadMapRows' weight unit
   // Importance row of the CTA's first position; positions are G * NS floats apart.
   float* const imp_rows =
       kImportance ? importance + (static_cast<int64_t>(b) * s.T + t0) * s.G * NS + static_cast<int64_t>(grp) * NS
@@ -545,7 +572,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
             }
           }
           if constexpr (kQuadMap) {
-            QuadMapRows<kNt, true>(sc[m], xs + (16 * (kM * warp + m) + g) * Cfg::kXld, Cfg::kXld, overlap_d, lane);
+            QuadMapPairedRows<kNt>(sc[m], xs + (8 * (kM * warp + m) + g) * Cfg::kXld, lane);
           } else {
             float xa[Cfg::kSbTiles][4];
 #pragma unroll
@@ -603,9 +630,9 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
       const float* carry_in = carry_s + (tile & 1) * Cfg::kRows * Cfg::kMaxCarry;
       float* carry_out = carry_s + ((tile + 1) & 1) * Cfg::kRows * Cfg::kMaxCarry;
       while (pos < positions) {
-        const float* x = xs + pos * hq * Cfg::kXld + col;
+        const float* x = xs + pos * x_rows * Cfg::kXld + col;
         float sum = col < carried ? carry_in[pos * Cfg::kMaxCarry + col] : 0.f;
-        for (int h = 0; h < hq; ++h) sum += x[h * Cfg::kXld];
+        for (int h = 0; h < x_rows; ++h) sum += x[h * Cfg::kXld];
         const int sb = sb_lo + col;
         if (sb < sb_next)
           imp_rows[static_cast<int64_t>(pos) * imp_pos_stride + sb] = sum;
@@ -1406,7 +1433,10 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
     const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
-    const auto imp = UseQuadMap(g) ? CmpSmemKernel<scalar_t, D, true, true> : CmpSmemKernel<scalar_t, D, true, false>;
+    // The quad map pairs a position's heads (LaneRows' kPairs): an odd head count per group
+    // takes the product.
+    const auto imp = UseQuadMap(g) && s.hq() % 2 == 0 ? CmpSmemKernel<scalar_t, D, true, true>
+                                                      : CmpSmemKernel<scalar_t, D, true, false>;
     AllowSmem(imp, Cfg::ImpSmem());
     imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),

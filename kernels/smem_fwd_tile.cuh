@@ -44,21 +44,35 @@ struct State {
 // The lane's query rows in a CTA of flattened (position, head) rows of one (b, grp): m16 tile
 // m, half h is CTA row r = 16 (kM warp + m) + g + 8h, i.e. position t0 + r / hq, head
 // grp * hq + r % hq. Rows from `rows` on are invalid (they point at position t0, head grp * hq).
-template <int kM>
+// kPairs (hq even): the tile's rows g and g + 8 are two heads of one position instead, so a
+// lane can add their values before anything per position: slot u = 8 (kM warp + m) + g is
+// head pair u % (hq / 2) of position u / (hq / 2), and half h its head 2 (u % (hq / 2)) + h.
+// The same rows, in another order.
+template <int kM, bool kPairs = false>
 struct LaneRows {
   int64_t index[kM][2];  // into [B,T,H]
   bool valid[kM][2];
-  int pos[kM][2];  // r / hq, the position relative to t0 (0 when invalid)
+  int pos[kM][2];  // the position relative to t0 (0 when invalid)
   __device__ LaneRows(const Shape& s, int b, int grp, int t0, int rows, int warp, int lane) {
     const int hq = s.hq();
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = 16 * (kM * warp + m) + (lane >> 2) + 8 * h;
-        valid[m][h] = r < rows;
-        pos[m][h] = valid[m][h] ? r / hq : 0;
-        index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + pos[m][h]) * s.H + grp * hq + (valid[m][h] ? r % hq : 0);
+        int r_pos, r_head;
+        if constexpr (kPairs) {
+          const int u = 8 * (kM * warp + m) + (lane >> 2), pairs = hq / 2;
+          valid[m][h] = 2 * u < rows;
+          r_pos = u / pairs;
+          r_head = 2 * (u - r_pos * pairs) + h;
+        } else {
+          const int r = 16 * (kM * warp + m) + (lane >> 2) + 8 * h;
+          valid[m][h] = r < rows;
+          r_pos = r / hq;
+          r_head = r - r_pos * hq;
+        }
+        pos[m][h] = valid[m][h] ? r_pos : 0;
+        index[m][h] = (static_cast<int64_t>(b) * s.T + t0 + pos[m][h]) * s.H + grp * hq + (valid[m][h] ? r_head : 0);
       }
     }
   }
