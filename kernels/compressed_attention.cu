@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 //
 // The importance pass (kImportance) runs the same walk with K only and no P.V: with the
 // final lse, P = exp2(S - lse) is exact per tile, and its mapping onto selection blocks is
-// two shuffles per n8 tile in the paper's geometry (QuadMapRows) and elsewhere a small
+// two shuffles per n8 tile in the paper's geometry (QuadMapRow) and elsewhere a small
 // product X = P W, W[j][sb] = token overlap of compressed block j with
 // selection block sb (integers <= l, exact in fp16; P in [0, 1] as a sum of two fp16
 // parts, see SplitHalf2). X goes to shared memory, where the group's heads are summed in a fixed
@@ -331,19 +331,18 @@ __host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, in
   return cmp_block == 2 * cmp_stride && slc_block == 4 * cmp_stride;
 }
 
-// p: one m16 tile's P (kNt n8 tiles, C layout); x_row: staged X of the lane's row g, row
-// g + 8 eight rows on (x_ld floats per row). carry[h] (lane 3's, row g + 8h): in, the spill
-// of the key tile before into this tile's first selection block (0 for a first tile); out,
-// this tile's own last spill, which the caller stores (column 2 kNt) or carries on. With
-// n_end < kNt (warp-uniform) only the first n_end n8 tiles are mapped (the rest of P is 0),
-// and carry is the spill of tile n_end - 1, for column 2 n_end.
-// kTimes2d: p holds 2 d P (the importance pass folds log2(2d) into its lse), so a key's weights
+// The quad map of one row of P: pair_at(n) gives the lane's keys 8n + 2c and 8n + 2c + 1, x
+// is the row's staged X. spill (lane 3's): in, the spill of the key tile before into this
+// tile's first selection block (0 for a first tile); out, the last mapped n8 tile's, which the
+// caller stores (column 2 n_end) or carries on. With n_end < kNt (warp-uniform) only the first
+// n_end n8 tiles are mapped (the rest of P is 0).
+// kTimes2d: P holds 2 d P (the importance pass folds log2(2d) into its lse), so a key's weights
 // are 1 and 1/2 and each mapped pair costs one FFMA and one FMUL; otherwise the weights 2d and
 // d are the lane's constants (one FFMA and two FMULs). Either way the result is what d (2 p0
 // + w p1) rounds to when d is a power of two (scaling by a power of two is exact).
-template <int kNt, bool kTimes2d = false>
-__device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
-                                                   int lane, float (&carry)[2], int n_end = kNt) {
+template <int kNt, bool kTimes2d, typename PairAt>
+__device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, float d, int lane, float& spill,
+                                           int n_end = kNt) {
   constexpr unsigned kAll = 0xffffffffu;
   const int c = lane & 3;
   const bool odd = (c & 1) != 0;
@@ -352,59 +351,44 @@ __device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], flo
   const float w0 = kTimes2d ? 1.f : 2.f * d;
   const float w1 = kTimes2d ? (odd ? 0.5f : 1.f) : (odd ? d : 2.f * d);
   const float ws = kTimes2d ? (odd ? 0.5f : 0.f) : (odd ? d : 0.f);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float* const x = x_row + h * 8 * x_ld;
-    float prev_spill = carry[h];  // lane 3: its spill of the n8 tile before
-#pragma unroll
-    for (int n = 0; n < kNt; ++n) {
-      if (n >= n_end) break;
-      const float p0 = p[n][2 * h], p1 = p[n][2 * h + 1];
-      const float own = kTimes2d ? fmaf(w1, p1, p0) : fmaf(w1, p1, w0 * p0);
-      const float spill = ws * p1;
-      const float pair = own + __shfl_xor_sync(kAll, own, 1);
-      const float in = __shfl_sync(kAll, c == 3 ? prev_spill : spill, spill_src);
-      if (!odd) x[2 * n + (c >> 1)] = pair + in;
-      prev_spill = spill;
-    }
-    carry[h] = prev_spill;
-  }
-}
-
-// One tile on its own: no spill comes in, the last one is stored in column 2 kNt.
-template <int kNt, bool kTimes2d = false>
-__device__ __forceinline__ void QuadMapRows(const float (&p)[kNt][4], float* x_row, int x_ld, float d, int lane) {
-  float carry[2] = {0.f, 0.f};
-  QuadMapRowsCarried<kNt, kTimes2d>(p, x_row, x_ld, d, lane, carry);
-  if ((lane & 3) == 3) {
-    x_row[2 * kNt] = carry[0];
-    x_row[8 * x_ld + 2 * kNt] = carry[1];
-  }
-}
-
-// QuadMapRows for rows g and g + 8 that are two heads of one position (LaneRows' kPairs order):
-// their 2 d P added first, then mapped once into the position's X row for that head pair, the
-// last spill in column 2 kNt. Half the map's shuffles, selects and stores per score, and half
-// the X rows for the heads' sum after it.
-template <int kNt>
-__device__ __forceinline__ void QuadMapPairedRows(const float (&p)[kNt][4], float* x_row, int lane) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const int c = lane & 3;
-  const bool odd = (c & 1) != 0;
-  const int spill_src = (lane & ~3) | (c >= 2 ? 1 : 3);
-  const float w1 = odd ? 0.5f : 1.f, ws = odd ? 0.5f : 0.f;  // QuadMapRowsCarried's kTimes2d weights
-  float prev_spill = 0.f;
+  float prev_spill = spill;  // lane 3: its spill of the n8 tile before
 #pragma unroll
   for (int n = 0; n < kNt; ++n) {
-    const float p0 = p[n][0] + p[n][2], p1 = p[n][1] + p[n][3];
-    const float own = fmaf(w1, p1, p0);
-    const float spill = ws * p1;
+    if (n >= n_end) break;
+    const float2 p = pair_at(n);
+    const float own = kTimes2d ? fmaf(w1, p.y, p.x) : fmaf(w1, p.y, w0 * p.x);
+    const float next = ws * p.y;
     const float pair = own + __shfl_xor_sync(kAll, own, 1);
-    const float in = __shfl_sync(kAll, c == 3 ? prev_spill : spill, spill_src);
-    if (!odd) x_row[2 * n + (c >> 1)] = pair + in;
-    prev_spill = spill;
+    const float in = __shfl_sync(kAll, c == 3 ? prev_spill : next, spill_src);
+    if (!odd) x[2 * n + (c >> 1)] = pair + in;
+    prev_spill = next;
   }
-  if (c == 3) x_row[2 * kNt] = prev_spill;
+  spill = prev_spill;
+}
+
+// Both rows of one m16 tile's P (kNt n8 tiles, C layout), normalised P: x_row is the staged X
+// of the lane's row g, row g + 8 eight rows on (x_ld floats per row); carry[h] is row g + 8h's
+// spill as in QuadMapRow.
+template <int kNt>
+__device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
+                                                   int lane, float (&carry)[2], int n_end = kNt) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    QuadMapRow<kNt, false>([&](int n) { return make_float2(p[n][2 * h], p[n][2 * h + 1]); }, x_row + h * 8 * x_ld,
+                           d, lane, carry[h], n_end);
+  }
+}
+
+// Rows g and g + 8 that are two heads of one position (LaneRows' kPairs order), 2 d P: their
+// P added first, then mapped once into the X row of the position's head pair, the last spill
+// in column 2 kNt. Half the map's shuffles, selects and stores per score, and half the X rows
+// for the heads' sum after it.
+template <int kNt>
+__device__ __forceinline__ void QuadMapPairedRows(const float (&p)[kNt][4], float* x_row, int lane) {
+  float spill = 0.f;
+  QuadMapRow<kNt, true>([&](int n) { return make_float2(p[n][0] + p[n][2], p[n][1] + p[n][3]); }, x_row,
+                        /*d: unused for 2 d P*/ 0.f, lane, spill);
+  if ((lane & 3) == 3) x_row[2 * kNt] = spill;
 }
 
 // The query positions a CTA of the query-side kernels (forward, importance, one pass, dQ)
@@ -495,7 +479,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   if constexpr (!kImportance) {
     st.Init();
   } else {
-    // The quad map takes 2 d P (QuadMapRowsCarried's kTimes2d): exp2(S - (lse - log2(2d))).
+    // The quad map takes 2 d P (QuadMapRow's kTimes2d): exp2(S - (lse - log2(2d))).
     const float lse_shift = kQuadMap ? log2f(2.f * static_cast<float>(cmp_stride)) : 0.f;
 #pragma unroll
     for (int m = 0; m < kM; ++m)
@@ -546,7 +530,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
             st, sc, kbuf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return !masked || key0 + key < row_vis[m][h]; }, lane);
       } else {
-        // P = exp2(S - lse), then X = P W into shared memory: by QuadMapRows in the paper's
+        // P = exp2(S - lse), then X = P W into shared memory: by QuadMapPairedRows in the paper's
         // geometry, else as a product where P goes in as two fp16 parts (P = hi + lo, lo the
         // rounding residual), so X keeps ~fp32 accuracy.
         // Only a CTA's last tile holds keys some of its rows do not see: with the quad map the
@@ -663,7 +647,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
 
 // The forward and the importance in one pass, where every compressed block fits two kN-key
 // tiles (s.Tk <= 128: T <= 2064 in m7c's geometry, whose training shape has 127 blocks), at
-// head_dim 64 in the paper's geometry (QuadMapRows). Two passes compute every score and
+// head_dim 64 in the paper's geometry (QuadMapRowsCarried). Two passes compute every score and
 // exponential twice: the importance needs the final row sums. With at most 128 keys a lane
 // holds all of its rows' scores (two tiles of one m16 tile: 64 floats), so the row max and sum
 // are exact before any P is used, and P = exp2(S - max) / sum serves both the map onto
@@ -1391,7 +1375,7 @@ void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the importance maps P onto selection blocks by QuadMapRows: the paper's geometry
+// Whether the importance maps P onto selection blocks by QuadMapRow: the paper's geometry
 // (l = 2d, l' = 4d; m7c's 32/16/64), unless the W product is forced.
 bool UseQuadMap(const Geo& g) {
   return QuadMapApplies(g.cmp_block, g.cmp_stride, g.slc_block) &&

@@ -75,7 +75,7 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // register-only kernels (the fallback path). fp32 inputs always take the scalar kernels (a
 // forced kDense fails on them). The shared-memory importance pass maps P onto selection
 // blocks as a product with the overlap matrix W, or, in the paper's geometry (l = 2d,
-// l' = 4d), with two shuffles per n8 tile (QuadMapRows; the two-pass kernel first adds the
+// l' = 4d), with two shuffles per n8 tile (QuadMapRow; the two-pass kernel first adds the
 // two heads of a position a lane holds, so it needs an even head count per group);
 // kProduct forces the product there too (tests, A/B timing).
 struct CompressedKernelChoice {

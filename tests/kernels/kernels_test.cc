@@ -418,7 +418,7 @@ TEST_P(KernelsTest, CompressedAttentionEveryKeySide) {
 }
 
 // In the paper's geometry (l = 2d, l' = 4d, the default here) the shared-memory importance
-// pass maps P onto selection blocks with shuffles (QuadMapRows) instead of the product with
+// pass maps P onto selection blocks with shuffles (QuadMapRow) instead of the product with
 // W. Both are exact up to float32 rounding (the product takes P as two fp16 parts), so they
 // must agree far tighter than the bf16 tolerance against the reference: a weight or a spill
 // sent to the wrong block would be a whole chunk's share off. On our kernels and on the
