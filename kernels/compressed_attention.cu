@@ -366,19 +366,6 @@ __device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, floa
   spill = prev_spill;
 }
 
-// Both rows of one m16 tile's P (kNt n8 tiles, C layout), normalised P: x_row is the staged X
-// of the lane's row g, row g + 8 eight rows on (x_ld floats per row); carry[h] is row g + 8h's
-// spill as in QuadMapRow.
-template <int kNt>
-__device__ __forceinline__ void QuadMapRowsCarried(const float (&p)[kNt][4], float* x_row, int x_ld, float d,
-                                                   int lane, float (&carry)[2], int n_end = kNt) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    QuadMapRow<kNt, false>([&](int n) { return make_float2(p[n][2 * h], p[n][2 * h + 1]); }, x_row + h * 8 * x_ld,
-                           d, lane, carry[h], n_end);
-  }
-}
-
 // Rows g and g + 8 that are two heads of one position (LaneRows' kPairs order), 2 d P: their
 // P added first, then mapped once into the X row of the position's head pair, the last spill
 // in column 2 kNt. Half the map's shuffles, selects and stores per score, and half the X rows
@@ -647,7 +634,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
 
 // The forward and the importance in one pass, where every compressed block fits two kN-key
 // tiles (s.Tk <= 128: T <= 2064 in m7c's geometry, whose training shape has 127 blocks), at
-// head_dim 64 in the paper's geometry (QuadMapRowsCarried). Two passes compute every score and
+// head_dim 64 in the paper's geometry (QuadMapRow). Two passes compute every score and
 // exponential twice: the importance needs the final row sums. With at most 128 keys a lane
 // holds all of its rows' scores (two tiles of one m16 tile: 64 floats), so the row max and sum
 // are exact before any P is used, and P = exp2(S - max) / sum serves both the map onto
@@ -683,7 +670,10 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
   const CmpCtaRows cta(s, positions_per_cta);
   const int t0 = cta.t0, grp = cta.grp, b = cta.b, positions = cta.positions, rows = cta.rows;
 
-  const smem_fwd::LaneRows<1> lr(s, b, grp, t0, rows, warp, lane);
+  // A lane's two rows are two heads of one position (LaneRows' kPairs; UseOnePass needs an even
+  // head count per group): the map adds their P (QuadMapRow), X has a row per head pair.
+  const smem_fwd::LaneRows<1, true> lr(s, b, grp, t0, rows, warp, lane);
+  const int x_rows = hq / 2;  // X rows per position
   int row_vis[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -781,22 +771,20 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
     for (int e = 0; e < 4; ++e) sc[nt / kNt][0][nt % kNt][e] *= inv[e >> 1];
   }
 
-  // Importance: P onto selection blocks, the spill of tile 0's last key carried into tile 1;
-  // the last mapped n8 tile's spill goes to column 2 nt_used.
-  float* const x_row = xs + (16 * warp + g) * Cfg::kXld;
-  float carry[2] = {0.f, 0.f};
+  // Importance: the two heads' P onto selection blocks, the spill of tile 0's last key carried
+  // into tile 1; the last mapped n8 tile's spill goes to column 2 nt_used.
+  float* const x_row = xs + (8 * warp + g) * Cfg::kXld;
+  float carry = 0.f;
   const float overlap_d = static_cast<float>(cmp_stride);
 #pragma unroll
   for (int tile = 0; tile < Cfg::kTiles; ++tile) {
     const int n_end = min(kNt, nt_used - tile * kNt);
+    const auto& p = sc[tile][0];
     if (n_end > 0)
-      QuadMapRowsCarried<kNt>(sc[tile][0], x_row + tile * Cfg::kBlocksPerTile, Cfg::kXld, overlap_d, lane, carry,
-                              n_end);
+      QuadMapRow<kNt, false>([&](int n) { return make_float2(p[n][0] + p[n][2], p[n][1] + p[n][3]); },
+                             x_row + tile * Cfg::kBlocksPerTile, overlap_d, lane, carry, n_end);
   }
-  if (c == 3 && nt_used > 0) {
-    x_row[2 * nt_used] = carry[0];
-    x_row[8 * Cfg::kXld + 2 * nt_used] = carry[1];
-  }
+  if (c == 3 && nt_used > 0) x_row[2 * nt_used] = carry;
 
   // O = P V over the 16-key steps that hold a used n8 tile, then the rows and their lse.
   float o[D / 8][4];
@@ -838,8 +826,8 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
     const int pos = i / NS, sb = i - pos * NS;
     float total = 0.f;
     if (sb < written) {
-      const float* x = xs + pos * hq * Cfg::kXld + sb;
-      for (int h = 0; h < hq; ++h) total += x[h * Cfg::kXld];
+      const float* x = xs + pos * x_rows * Cfg::kXld + sb;
+      for (int h = 0; h < x_rows; ++h) total += x[h * Cfg::kXld];
     }
     imp_rows[static_cast<int64_t>(pos) * s.G * NS + sb] = total;
   }
@@ -1386,7 +1374,7 @@ bool UseQuadMap(const Geo& g) {
 // conditions; the caller has chosen the shared-memory path for bf16/fp16).
 bool UseOnePass(const Shape& s, const Geo& g) {
   return s.D == CmpOnePassCfg::kD && s.Tk <= CmpOnePassCfg::kTiles * CmpOnePassCfg::kN && UseQuadMap(g) &&
-         compressed_pass.load() != CompressedKernelChoice::Pass::kTwo;
+         s.hq() % 2 == 0 && compressed_pass.load() != CompressedKernelChoice::Pass::kTwo;
 }
 
 // The one-pass kernel takes the two-pass kernels' query grid (SmemQueryGrid): its rows per CTA
