@@ -366,15 +366,26 @@ __device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, floa
   spill = prev_spill;
 }
 
-// Rows g and g + 8 that are two heads of one position (LaneRows' kPairs order), 2 d P: their
-// P added first, then mapped once into the X row of the position's head pair, the last spill
-// in column 2 kNt. Half the map's shuffles, selects and stores per score, and half the X rows
-// for the heads' sum after it.
-template <int kNt>
-__device__ __forceinline__ void QuadMapPairedRows(const float (&p)[kNt][4], float* x_row, int lane) {
+// The lane's rows of kTiles m16 tiles (p[0] .. p[kTiles - 1]) that are heads of one position
+// (LaneRows' kLaneHeads = 2 kTiles), 2 d P: their P added first, then mapped once into the X
+// row of the position's slot, the last spill in column 2 kNt. Per score, 1 / (2 kTiles) of
+// the map's shuffles, selects and stores, and as few X rows for the heads' sum after it.
+template <int kNt, int kTiles>
+__device__ __forceinline__ void QuadMapLaneRows(const float (*p)[kNt][4], float* x_row, int lane) {
   float spill = 0.f;
-  QuadMapRow<kNt, true>([&](int n) { return make_float2(p[n][0] + p[n][2], p[n][1] + p[n][3]); }, x_row,
-                        /*d: unused for 2 d P*/ 0.f, lane, spill);
+  QuadMapRow<kNt, true>(
+      [&](int n) {
+        // The lane's keys 8n + 2c and 8n + 2c + 1 (from the first tile: 0 + x is not x for -0,
+        // so a sum from 0 would cost an add the compiler must keep).
+        float even = p[0][n][0] + p[0][n][2], odd = p[0][n][1] + p[0][n][3];
+#pragma unroll
+        for (int t = 1; t < kTiles; ++t) {
+          even += p[t][n][0] + p[t][n][2];
+          odd += p[t][n][1] + p[t][n][3];
+        }
+        return make_float2(even, odd);
+      },
+      x_row, /*d: unused for 2 d P*/ 0.f, lane, spill);
   if ((lane & 3) == 3) x_row[2 * kNt] = spill;
 }
 
@@ -395,12 +406,14 @@ struct CmpCtaRows {
 // (128 registers, 52 bytes of spill; 164 and three CTAs without the bound), 1.90 -> 1.82 ms at
 // 12:2. D=128 two CTAs (128 registers, 32 bytes of spill): with a one-CTA bound ptxas took 170
 // registers and forward + importance went 5.84 -> 6.99 ms at 12:2, 29.5 -> 34.3 ms at 64:4.
-// kQuadMap (importance only): X by QuadMapPairedRows over LaneRows' paired row order (an even
-// head count per group), for the geometry QuadMapApplies to; its own instance, so that the W
-// product's registers do not weigh on it. ptxas (CUDA 13.0, sm_90a): the D=64 and D=128 quad
-// instances spill 20 bytes and reload 20 (24/24 and 16/16 before the pairing; 64 and 64 at
-// D=64 before the pass mapped 2 d P and skipped the mask on unmasked tiles).
-template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false>
+// kQuadMap (importance only): X by QuadMapLaneRows over LaneRows' order of kLaneHeads heads of
+// one position in a lane (2: a tile's two rows, for an even head count per group; 2 kM: all of
+// the lane's rows, for a multiple of 2 kM), for the geometry QuadMapApplies to; its own
+// instances, so that the W product's registers do not weigh on them. ptxas (CUDA 13.0,
+// sm_90a): the D=64 and D=128 pair instances spill 20 bytes and reload 20 (24/24 and 16/16
+// before the pairing; 64 and 64 at D=64 before the pass mapped 2 d P and skipped the mask on
+// unmasked tiles).
+template <typename scalar_t, int D, bool kImportance, bool kQuadMap = false, int kLaneHeads = 2>
 __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>::kThreads,
                                   kImportance ? (D == 64 ? 4 : 2) : (D == 64 ? 2 : 1))
     CmpSmemKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
@@ -421,10 +434,11 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
 
   // The lane's rows (m16 tile m, half h) and the compressed keys each sees.
-  // With the quad map a lane's two rows of a tile are two heads of one position (kPairs), whose
-  // P the map adds before mapping (QuadMapPairedRows): X has a row per (position, head pair).
-  const smem_fwd::LaneRows<kM, kQuadMap> lr(s, b, grp, t0, rows, warp, lane);
-  const int x_rows = kQuadMap ? hq / 2 : hq;  // X rows per position
+  // With the quad map a lane's rows are kLaneHeads heads of one position, whose P the map adds
+  // before mapping (QuadMapLaneRows): X has a row per (position, slot of kLaneHeads heads).
+  static_assert(!kQuadMap || kLaneHeads == 2 || kLaneHeads == 2 * kM, "a tile's two rows, or all a lane's");
+  const smem_fwd::LaneRows<kM, kQuadMap ? kLaneHeads : 1> lr(s, b, grp, t0, rows, warp, lane);
+  const int x_rows = kQuadMap ? hq / kLaneHeads : hq;  // X rows per position
   const auto& row_index = lr.index;
   const auto& row_valid = lr.valid;
   int row_vis[kM][2];
@@ -517,7 +531,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
             st, sc, kbuf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return !masked || key0 + key < row_vis[m][h]; }, lane);
       } else {
-        // P = exp2(S - lse), then X = P W into shared memory: by QuadMapPairedRows in the paper's
+        // P = exp2(S - lse), then X = P W into shared memory: by QuadMapLaneRows in the paper's
         // geometry, else as a product where P goes in as two fp16 parts (P = hi + lo, lo the
         // rounding residual), so X keeps ~fp32 accuracy.
         // Only a CTA's last tile holds keys some of its rows do not see: with the quad map the
@@ -543,7 +557,12 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
             }
           }
           if constexpr (kQuadMap) {
-            QuadMapPairedRows<kNt>(sc[m], xs + (8 * (kM * warp + m) + g) * Cfg::kXld, lane);
+            // Two heads a tile: each tile maps its own; all of the lane's: after the last tile.
+            if constexpr (kLaneHeads == 2) {
+              QuadMapLaneRows<kNt, 1>(&sc[m], xs + (8 * (kM * warp + m) + g) * Cfg::kXld, lane);
+            } else if (m == kM - 1) {
+              QuadMapLaneRows<kNt, kM>(sc, xs + (8 * warp + g) * Cfg::kXld, lane);
+            }
           } else {
             float xa[Cfg::kSbTiles][4];
 #pragma unroll
@@ -670,9 +689,9 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
   const CmpCtaRows cta(s, positions_per_cta);
   const int t0 = cta.t0, grp = cta.grp, b = cta.b, positions = cta.positions, rows = cta.rows;
 
-  // A lane's two rows are two heads of one position (LaneRows' kPairs; UseOnePass needs an even
-  // head count per group): the map adds their P (QuadMapRow), X has a row per head pair.
-  const smem_fwd::LaneRows<1, true> lr(s, b, grp, t0, rows, warp, lane);
+  // A lane's two rows are two heads of one position (LaneRows' kLaneHeads = 2; UseOnePass needs
+  // an even head count per group): the map adds their P (QuadMapRow), X has a row per head pair.
+  const smem_fwd::LaneRows<1, 2> lr(s, b, grp, t0, rows, warp, lane);
   const int x_rows = hq / 2;  // X rows per position
   int row_vis[2];
 #pragma unroll
@@ -1405,10 +1424,15 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
     const QueryGrid sg = SmemQueryGrid<D>(s);
     if (sg.Empty()) return;
-    // The quad map pairs a position's heads (LaneRows' kPairs): an odd head count per group
-    // takes the product.
-    const auto imp = UseQuadMap(g) && s.hq() % 2 == 0 ? CmpSmemKernel<scalar_t, D, true, true>
-                                                      : CmpSmemKernel<scalar_t, D, true, false>;
+    // The quad map adds a position's heads in each lane first (LaneRows' kLaneHeads): all of the
+    // lane's rows where 2 kM divide the heads per group, else a tile's two rows where two do; an
+    // odd head count per group takes the product.
+    constexpr int kM = Cfg::kM;
+    auto imp = CmpSmemKernel<scalar_t, D, true, false>;
+    if (UseQuadMap(g) && s.hq() % 2 == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2>;
+    if constexpr (kM > 1) {
+      if (UseQuadMap(g) && s.hq() % (2 * kM) == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2 * kM>;
+    }
     AllowSmem(imp, Cfg::ImpSmem());
     imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),

@@ -75,9 +75,9 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // register-only kernels (the fallback path). fp32 inputs always take the scalar kernels (a
 // forced kDense fails on them). The shared-memory importance pass maps P onto selection
 // blocks as a product with the overlap matrix W, or, in the paper's geometry (l = 2d,
-// l' = 4d), with two shuffles per n8 tile (QuadMapRow; the two-pass kernel first adds the
-// two heads of a position a lane holds, so it needs an even head count per group);
-// kProduct forces the product there too (tests, A/B timing).
+// l' = 4d), with two shuffles per n8 tile (QuadMapRow; the kernels first add the heads of a
+// position that a lane holds, two or four, so they need an even head count per group; an
+// odd one takes the product); kProduct forces the product there too (tests, A/B timing).
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
   enum class Map { kAuto, kProduct };

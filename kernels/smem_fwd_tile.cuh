@@ -44,12 +44,15 @@ struct State {
 // The lane's query rows in a CTA of flattened (position, head) rows of one (b, grp): m16 tile
 // m, half h is CTA row r = 16 (kM warp + m) + g + 8h, i.e. position t0 + r / hq, head
 // grp * hq + r % hq. Rows from `rows` on are invalid (they point at position t0, head grp * hq).
-// kPairs (hq even): the tile's rows g and g + 8 are two heads of one position instead, so a
-// lane can add their values before anything per position: slot u = 8 (kM warp + m) + g is
-// head pair u % (hq / 2) of position u / (hq / 2), and half h its head 2 (u % (hq / 2)) + h.
-// The same rows, in another order.
-template <int kM, bool kPairs = false>
+// kLaneHeads > 1 (it divides hq): all kLaneHeads rows of a lane are heads of one position
+// instead, so the lane can add their values before anything per position. 2: a tile's rows g
+// and g + 8 (slot u = 8 (kM warp + m) + g, half h its head 2 (u % (hq / 2)) + h); 2 kM: the
+// lane's rows of all its tiles (slot u = 8 warp + g, tile m half h its head 2m + h of the
+// slot's). Slot u is heads kLaneHeads (u % s) .. of position u / s, s = hq / kLaneHeads. The
+// same rows, in another order.
+template <int kM, int kLaneHeads = 1>
 struct LaneRows {
+  static_assert(kLaneHeads == 1 || kLaneHeads == 2 || kLaneHeads == 2 * kM, "a tile's two rows, or all a lane's");
   int64_t index[kM][2];  // into [B,T,H]
   bool valid[kM][2];
   int pos[kM][2];  // the position relative to t0 (0 when invalid)
@@ -60,11 +63,12 @@ struct LaneRows {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int r_pos, r_head;
-        if constexpr (kPairs) {
-          const int u = 8 * (kM * warp + m) + (lane >> 2), pairs = hq / 2;
-          valid[m][h] = 2 * u < rows;
-          r_pos = u / pairs;
-          r_head = 2 * (u - r_pos * pairs) + h;
+        if constexpr (kLaneHeads > 1) {
+          constexpr int kTilesPerSlot = kLaneHeads / 2;
+          const int u = 8 * ((kM * warp + m) / kTilesPerSlot) + (lane >> 2), slots = hq / kLaneHeads;
+          valid[m][h] = kLaneHeads * u < rows;
+          r_pos = u / slots;
+          r_head = kLaneHeads * (u - r_pos * slots) + 2 * (m % kTilesPerSlot) + h;
         } else {
           const int r = 16 * (kM * warp + m) + (lane >> 2) + 8 * h;
           valid[m][h] = r < rows;

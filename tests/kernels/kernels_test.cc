@@ -686,27 +686,43 @@ TEST(CompressedOnePass, MatchesTheReferenceAndTheTwoPassKernels) {
   }
 }
 
-// The quad map pairs a position's heads in the lanes' rows, so an odd count per group (here 3)
-// must take the W product, in the one-pass length range (T = 2048) and the two-pass one (T =
-// 4500; 3000 at head_dim 128): a paired map there would add heads of two positions. Against
-// the importance of the float32 reference's probabilities.
-TEST(CompressedImportance, OddHeadsPerGroupMatchTheReference) {
+// The quad map adds the heads of one position that a lane holds before it maps them
+// (LaneRows' kLaneHeads): a tile's two rows where the heads per group are even, all four of
+// the lane's rows where they are a multiple of four at head_dim 64, and an odd count takes the
+// W product. Each, in the one-pass length range (T = 2048) and the two-pass one (T = 4500; 3000
+// at head_dim 128), against the importance of the float32 reference's probabilities, and
+// against the forced W product far tighter (both exact up to float32 rounding): heads added
+// across two positions would be a whole head's share off.
+TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
+  using Choice = cuda::detail::CompressedKernelChoice;
   const Geometry geo;
-  const int64_t B = 1, H = 9, G = 3;
-  for (const auto [T, D] : {std::pair<int64_t, int64_t>{2048, 64}, {4500, 64}, {3000, 128}}) {
-    SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D));
-    torch::manual_seed(T + D);
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-    const int64_t N = NumCmpBlocks(T, geo);
-    const auto q = torch::randn({B, T, H, D}, opts);
-    const auto k = torch::randn({B, N, G, D}, opts), v = torch::randn({B, N, G, D}, opts);
-    const auto importance = cuda::CompressedAttention(q, k, v, geo).importance;
-    const auto ref = CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), geo);
-    const auto want = ImportanceReference(ref.probs, G, geo).to(torch::kDouble);
-    const double err = (importance.to(torch::kDouble) - want).norm().item<double>() / want.norm().item<double>();
-    EXPECT_LT(err, 2e-2) << "||importance - reference|| / ||reference||";
+  for (const auto [H, G] : {std::pair<int64_t, int64_t>{9, 3}, {12, 2}, {16, 2}}) {
+    for (const auto [T, D] : {std::pair<int64_t, int64_t>{2048, 64}, {4500, 64}, {3000, 128}}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + " G=" + std::to_string(G) + " T=" + std::to_string(T) +
+                   " D=" + std::to_string(D));
+      torch::manual_seed(T + D + H);
+      const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+      const int64_t N = NumCmpBlocks(T, geo);
+      const auto q = torch::randn({1, T, H, D}, opts);
+      const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
+      const auto importance = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
+      Choice product_choice;
+      product_choice.map = Choice::Map::kProduct;
+      torch::Tensor product;
+      {
+        const cuda::detail::ScopedCompressedKernelChoice force(product_choice);
+        product = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
+      }
+      const auto ref =
+          CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), geo);
+      const auto want = ImportanceReference(ref.probs, G, geo).to(torch::kDouble);
+      const double err = (importance - want).norm().item<double>() / want.norm().item<double>();
+      EXPECT_LT(err, 2e-2) << "||importance - reference|| / ||reference||";
+      const double scale = std::max(product.abs().max().item<double>(), 1.0);
+      EXPECT_LT((importance - product).abs().max().item<double>(), 1e-5 * scale) << "against the W product";
+    }
   }
 }
 
