@@ -221,13 +221,10 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
   const torch::Device cuda(torch::kCUDA, 0);
   model->to(cuda);
   for (const auto& p : model->parameters()) r.parameters += p.numel();
-  nsad::OptimConfig optim;  // m7c's (configs/m7c_125m.json)
-  optim.lr = 6e-4f;
-  optim.weight_decay = 0.1f;
-  optim.grad_clip = 1.0f;
-  optim.warmup_steps = 700;  // --lr-warmup
-  optim.min_lr = 6e-5f;
-  constexpr int64_t kMaxSteps = 50000;
+  // m7c's optimizer and schedule, the shipped config's (configs/m7c_125m.json; a test keeps
+  // the two equal).
+  const nsad::TrainConfig m7c = nsad::M7cTrainConfig();
+  const nsad::OptimConfig& optim = m7c.optim;
   nsad::AdamW optimizer = nsad::AdamW::ForModel(model->parameters(), optim);
   optimizer.SetLr(optim.lr);
   std::optional<nsad::StepGraph> graph;
@@ -319,7 +316,7 @@ Result Measure(Model model, int batch, int seq, int steps, int vocab, const Opti
       t0 = std::chrono::steady_clock::now();
     };
     batch_tokens.copy_(pool[step_index % static_cast<int64_t>(pool.size())]);
-    optimizer.SetLr(opt.lr_warmup ? nsad::ScheduledLr(optim, step_index, kMaxSteps) : optim.lr);
+    optimizer.SetLr(opt.lr_warmup ? nsad::ScheduledLr(optim, step_index, m7c.max_steps) : optim.lr);
     ++step_index;
     torch::Tensor readout;
     if (opt.torch_optim) {
@@ -396,7 +393,7 @@ std::vector<std::string> Split(const std::string& s) {
 
 int main(int argc, char** argv) {
   std::vector<int> batches = {1, 16};
-  int seq = 2048, steps = 20;
+  int seq = nsad::M7cTrainConfig().seq_len, steps = 20;
   std::vector<std::string> variants = {"nsa-cuda", "dense-flash", "nsa-reference"};
   std::vector<bool> graph_modes = {false, true};
   bool torch_optim = false;
@@ -513,7 +510,7 @@ int main(int argc, char** argv) {
     std::printf("train_bench: no CUDA device; nothing measured\n");
     return 0;
   }
-  const ModelConfig config = nsad::M7cModelConfig();
+  const ModelConfig config = nsad::M7cTrainConfig().model;
   std::printf("m7c: dim %d, %d layers, %d heads, %d kv groups, head dim %d, seq %d, bf16 autocast, AdamW\n",
               config.dim, config.n_layers, config.n_heads, config.n_kv_groups, config.head_dim, seq);
   std::printf("%-24s %5s %12s %12s %12s\n", "variant", "batch", "params", "step_ms", "tok/s");

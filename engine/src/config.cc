@@ -27,6 +27,32 @@ ModelConfig M7cModelConfig() {
   return c;
 }
 
+TrainConfig M7cTrainConfig() {
+  TrainConfig c;
+  c.name = "m7c-125m";
+  c.model = M7cModelConfig();
+  c.optim.lr = 6e-4f;
+  c.optim.min_lr = 6e-5f;
+  c.optim.weight_decay = 0.1f;
+  c.optim.beta1 = 0.9f;
+  c.optim.beta2 = 0.95f;
+  c.optim.warmup_steps = 700;
+  c.optim.grad_clip = 1.0f;
+  c.seq_len = 2048;
+  c.batch_size = 16;
+  c.grad_accum = 1;
+  c.max_steps = 50000;
+  c.log_every = 10;
+  c.eval_every = 500;
+  c.eval_batches = 20;
+  c.seed = 1234;
+  c.device = "cuda";
+  c.dtype = "bfloat16";
+  c.attention_backend = AttentionBackend::kAuto;
+  c.cuda_graphs = true;
+  return c;
+}
+
 const char* ToString(AttentionBackend backend) {
   switch (backend) {
     case AttentionBackend::kAuto: return "auto";

@@ -259,7 +259,8 @@ TEST(RuntimePlan, CudaGraphsNeedTheCudaBackend) {
 }
 
 // The shipped config files parse strictly, validate (data paths aside), and m7c_125m.json
-// describes exactly the model the benchmarks and tests call m7c.
+// describes exactly the run the engine, the benchmarks and the tests call m7c
+// (M7cTrainConfig: its model, its optimizer, its schedule).
 TEST(ShippedConfigs, ParseAndM7cMatchesTheEngine) {
   for (const std::string name : {"demo", "m7c_125m"}) {
     std::ifstream in(std::string(NSAD_SOURCE_DIR) + "/configs/" + name + ".json");
@@ -269,25 +270,48 @@ TEST(ShippedConfigs, ParseAndM7cMatchesTheEngine) {
     nsa::v1::RunConfig proto;
     ASSERT_EQ(ParseRunConfigJson(json.str(), &proto), "") << name;
     TrainConfig config = FromProto(proto);
+    EXPECT_FALSE(config.data.train_path.empty()) << name;
     config.data.train_path = "/";  // shards are not part of the repository
     config.data.val_path = "";
     EXPECT_EQ(FormatFieldErrors(ValidateConfig(config)), "") << name;
     if (name != "m7c_125m") continue;
-    const ModelConfig m7c = M7cModelConfig();
-    EXPECT_EQ(config.model.vocab_size, m7c.vocab_size);
-    EXPECT_EQ(config.model.dim, m7c.dim);
-    EXPECT_EQ(config.model.n_layers, m7c.n_layers);
-    EXPECT_EQ(config.model.n_heads, m7c.n_heads);
-    EXPECT_EQ(config.model.n_kv_groups, m7c.n_kv_groups);
-    EXPECT_EQ(config.model.head_dim, m7c.head_dim);
-    EXPECT_EQ(EffectiveMlpHidden(config.model), EffectiveMlpHidden(m7c));
-    EXPECT_EQ(config.model.nsa.cmp_block, m7c.nsa.cmp_block);
-    EXPECT_EQ(config.model.nsa.cmp_stride, m7c.nsa.cmp_stride);
-    EXPECT_EQ(config.model.nsa.slc_block, m7c.nsa.slc_block);
-    EXPECT_EQ(config.model.nsa.slc_top_n, m7c.nsa.slc_top_n);
-    EXPECT_EQ(config.model.nsa.window, m7c.nsa.window);
-    EXPECT_EQ(config.seq_len, 2048);
-    EXPECT_EQ(config.dtype, "bfloat16");
+    const TrainConfig m7c = M7cTrainConfig();
+    const ModelConfig& model = m7c.model;
+    EXPECT_EQ(config.name, m7c.name);
+    EXPECT_EQ(config.model.vocab_size, model.vocab_size);
+    EXPECT_EQ(config.model.dim, model.dim);
+    EXPECT_EQ(config.model.n_layers, model.n_layers);
+    EXPECT_EQ(config.model.n_heads, model.n_heads);
+    EXPECT_EQ(config.model.n_kv_groups, model.n_kv_groups);
+    EXPECT_EQ(config.model.head_dim, model.head_dim);
+    EXPECT_EQ(EffectiveMlpHidden(config.model), EffectiveMlpHidden(model));
+    EXPECT_EQ(config.model.rope_theta, model.rope_theta);
+    EXPECT_EQ(config.model.norm_eps, model.norm_eps);
+    EXPECT_EQ(config.model.nsa.cmp_block, model.nsa.cmp_block);
+    EXPECT_EQ(config.model.nsa.cmp_stride, model.nsa.cmp_stride);
+    EXPECT_EQ(config.model.nsa.slc_block, model.nsa.slc_block);
+    EXPECT_EQ(config.model.nsa.slc_top_n, model.nsa.slc_top_n);
+    EXPECT_EQ(config.model.nsa.window, model.nsa.window);
+    EXPECT_EQ(config.optim.lr, m7c.optim.lr);
+    EXPECT_EQ(config.optim.min_lr, m7c.optim.min_lr);
+    EXPECT_EQ(config.optim.weight_decay, m7c.optim.weight_decay);
+    EXPECT_EQ(config.optim.beta1, m7c.optim.beta1);
+    EXPECT_EQ(config.optim.beta2, m7c.optim.beta2);
+    EXPECT_EQ(config.optim.eps, m7c.optim.eps);
+    EXPECT_EQ(config.optim.warmup_steps, m7c.optim.warmup_steps);
+    EXPECT_EQ(config.optim.grad_clip, m7c.optim.grad_clip);
+    EXPECT_EQ(config.seq_len, m7c.seq_len);
+    EXPECT_EQ(config.batch_size, m7c.batch_size);
+    EXPECT_EQ(config.grad_accum, m7c.grad_accum);
+    EXPECT_EQ(config.max_steps, m7c.max_steps);
+    EXPECT_EQ(config.log_every, m7c.log_every);
+    EXPECT_EQ(config.eval_every, m7c.eval_every);
+    EXPECT_EQ(config.eval_batches, m7c.eval_batches);
+    EXPECT_EQ(config.seed, m7c.seed);
+    EXPECT_EQ(config.device, m7c.device);
+    EXPECT_EQ(config.dtype, m7c.dtype);
+    EXPECT_EQ(config.attention_backend, m7c.attention_backend);
+    EXPECT_EQ(config.cuda_graphs, m7c.cuda_graphs);
   }
 }
 

@@ -124,6 +124,12 @@ struct TrainConfig {
   bool cuda_graphs = false;
 };
 
+// m7c's whole training config as configs/m7c_125m.json states it, data paths aside (a test
+// keeps the two equal): M7cModelConfig(), AdamW lr 6e-4 -> 6e-5 cosine after 700 warm-up
+// steps over 50000, weight decay 0.1, clipping at 1.0; seq 2048, batch 16, bf16, CUDA graphs.
+// The benchmarks train with it, so their optimizer cannot drift from the shipped config's.
+TrainConfig M7cTrainConfig();
+
 struct FieldError {
   std::string field;    // dotted proto path, e.g. "model.n_heads"
   std::string message;  // what is wrong and what is allowed
