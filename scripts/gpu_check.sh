@@ -22,14 +22,7 @@ source scripts/device_env.sh
 nvidia-smi > "$logs/nvidia-smi.txt" 2>&1 || true
 
 step configure+build
-if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" &&
-       timeout 900 cmake --build "$build" --target kernels_test nsa_bench -j "$(nproc)"; } \
-     > "$logs/build.log" 2>&1; then
-  tail -40 "$logs/build.log"
-  echo "BUILD FAILED"
-  exit 1
-fi
+device_build . "$build" "$logs" "" kernels_test nsa_bench || exit 1
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step kernels_test

@@ -20,11 +20,7 @@ nvidia-smi topo -m | head -4
 
 step build
 targets="nsad nsad-worker nsactl trainer_test daemon_test"
-if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
-       timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
-  tail -n 30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
-fi
+device_build . "$build" "$logs" "" $targets || exit 1
 grep -E "c10d NCCL" "$logs/configure.log"
 
 step "multi-GPU tests"
@@ -41,9 +37,7 @@ run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
 state=/tmp/nsad-gpu-dp-state; rm -rf "$state"
 scripts/m7c_random_config.sh "$state" "${M7C_STEPS:-40}"
-"$build/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
-daemon=$!
-for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
+device_daemon_start "$build/bin" "$state" "$logs/nsad.log" || exit 1
 n=0
 train() {  # label jq-free sed edits of m7c.json
   local label=$1; shift
@@ -62,7 +56,7 @@ done
 for w in ${WORLD_SIZES:-2 1}; do
   train "world$w-graph" -e "s#\"grad_accum\": 1,#\"grad_accum\": 1, \"world_size\": $w,#"
 done
-kill $daemon; wait $daemon; echo "nsad exit $?"
+device_daemon_stop
 cp -r "$state/runs" "$logs/runs" 2>/dev/null; find "$logs/runs" -name '*.pt' -delete 2>/dev/null
 rm -rf "$logs/runs"/*/checkpoints
 echo "== done, status $status"

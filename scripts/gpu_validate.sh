@@ -31,11 +31,7 @@ gpu_tests=${GPU_TESTS:-runtime/backend_test engine/trainer_test kernels/kernels_
 # backend_test for the memcheck; every test GPU_TESTS names is built too (nsa/nsa_tests was not).
 targets="nsad nsad-worker nsactl nsa-shard backend_test train_bench nsa_bench"
 for t in $gpu_tests; do targets="$targets $(basename "$t")"; done
-if ! { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$logs/configure.log" 2>&1 &&
-       timeout 480 cmake --build "$build" -j "$(nproc)" --target $targets > "$logs/build.log" 2>&1; }; then
-  tail -n 30 "$logs/configure.log" "$logs/build.log"; echo "BUILD FAILED"; exit 1
-fi
+device_build . "$build" "$logs" "" $targets || exit 1
 
 step "GPU tests"
 for t in $gpu_tests; do
@@ -63,16 +59,14 @@ fi
 step "daemon: m7c 125M on the GPU through nsactl"
 state=/tmp/nsad-gpu-state; rm -rf "$state"
 scripts/m7c_random_config.sh "$state" "${M7C_STEPS:-30}"
-"$build/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$logs/nsad.log" 2>&1 &
-daemon=$!
-for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
+device_daemon_start "$build/bin" "$state" "$logs/nsad.log" || status=1
 cat "$state/endpoints.json"
 timeout 300 "$build/bin/nsactl" start --config "$state/m7c.json" --watch 2>&1 | tail -5 | tee "$logs/m7c_watch.log"
 record "$build/bin/nsactl" status run-000001
 "$build/bin/nsactl" throughput run-000001
 "$build/bin/nsactl" gates run-000001 | head -6
 env -u LD_LIBRARY_PATH curl -s -m 5 http://127.0.0.1:9464/metrics > "$logs/metrics.txt" && grep -E '^nsad_run_(tokens_per_second|step|loss)' "$logs/metrics.txt" | head -5 || { echo "metrics scrape FAILED"; status=1; }
-kill $daemon; wait $daemon; echo "nsad exit $?"
+device_daemon_stop
 cp "$state"/runs/*/worker.log "$logs/" 2>/dev/null
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

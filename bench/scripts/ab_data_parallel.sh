@@ -18,18 +18,11 @@ status=0
 step() { echo "== $* ($(date +%T))"; }
 source scripts/device_env.sh
 
-build() {  # SOURCE BUILD_DIR TARGET...
-  local src=$1 dir=$2
-  shift 2
-  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" \
-    > "$out/$(basename "$dir")-configure.log" 2>&1 &&
-    timeout 480 cmake --build "$dir" -j "$(nproc)" --target "$@" > "$out/$(basename "$dir")-build.log" 2>&1
-}
 step "build this tree and $prev"
-build "$prev" /tmp/ab-dp-prev nsad nsad-worker nsactl &
+device_build "$prev" /tmp/ab-dp-prev "$out" -prev nsad nsad-worker nsactl &
 prev_build=$!
-build . /tmp/ab-dp-this nsad nsad-worker nsactl daemon_test || { tail -20 "$out/ab-dp-this-build.log"; exit 1; }
-wait $prev_build || { tail -20 "$out/ab-dp-prev-build.log"; exit 1; }
+device_build . /tmp/ab-dp-this "$out" "" nsad nsad-worker nsactl daemon_test || exit 1
+wait $prev_build || exit 1
 
 if [ "${TEST_FILTER:-}" != skip ]; then
   step "daemon_test ${TEST_FILTER:-*TwoGpu*:*DeadWorker*}"
@@ -48,14 +41,11 @@ for round in $(seq "${ROUNDS:-2}"); do
     step "round $round: $tree, world_size ${WORLD_SIZE:-2}, cuda_graphs ${GRAPHS:-true}"
     bin=/tmp/ab-dp-$tree/bin
     daemon_state=$state/daemon-$round-$tree  # a fresh daemon: its first run is run-000001
-    "$bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$daemon_state" \
-      > "$out/nsad-$tree.log" 2>&1 &
-    daemon=$!
-    for _ in $(seq 100); do [ -f "$daemon_state/endpoints.json" ] && break; sleep 0.2; done
+    device_daemon_start "$bin" "$daemon_state" "$out/nsad-$tree.log" || { status=1; continue; }
     timeout 300 "$bin/nsactl" start --config "$state/run.json" --watch > "$out/watch.log" 2>&1 || status=1
     grep -E "^step" "$out/watch.log" | tail -3
     "$bin/nsactl" throughput run-000001 | tail -1
-    kill $daemon; wait $daemon
+    device_daemon_stop
   done
 done
 echo "== done, status $status"

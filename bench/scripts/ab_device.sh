@@ -34,21 +34,11 @@ if [ "${TEST_FILTER:-*}" != skip ] || [ -n "${MEMCHECK_FILTER:-}" ] || [ -n "${S
   targets+=(kernels_test)
 fi
 step build
-if ! { cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure.log" 2>&1 &&
-       timeout 480 cmake --build "$B" -j "$(nproc)" --target "${targets[@]}" \
-         > "$out/build.log" 2>&1; }; then
-  tail -n 40 "$out/configure.log" "$out/build.log"; echo "BUILD FAILED"; exit 1
-fi
+device_build . "$B" "$out" "" "${targets[@]}" || exit 1
 trees=("this:$B")
 if [ -n "${PREV_TREE:-}" ]; then
   step "build $PREV_TREE"
-  if ! { cmake -S "$PREV_TREE" -B "$B-prev" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-           -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure-prev.log" 2>&1 &&
-         timeout 480 cmake --build "$B-prev" -j "$(nproc)" --target nsa_bench train_bench \
-           > "$out/build-prev.log" 2>&1; }; then
-    tail -n 40 "$out/configure-prev.log" "$out/build-prev.log"; echo "PREV BUILD FAILED"; exit 1
-  fi
+  device_build "$PREV_TREE" "$B-prev" "$out" -prev nsa_bench train_bench || exit 1
   trees=("prev:$B-prev" "this:$B")
 fi
 

@@ -18,11 +18,7 @@ trees=("this:.:$B")
 for t in "${trees[@]}"; do
   IFS=: read -r tag src dir <<< "$t"
   echo "== build $tag ($(date +%T))"
-  if ! { cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-           -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure-$tag.log" 2>&1 &&
-         timeout 480 cmake --build "$dir" -j "$(nproc)" --target train_bench > "$out/build-$tag.log" 2>&1; }; then
-    tail -n 30 "$out/build-$tag.log"; echo "BUILD FAILED ($tag)"; exit 1
-  fi
+  device_build "$src" "$dir" "$out" "-$tag" train_bench || exit 1
 done
 for t in "${trees[@]}"; do
   IFS=: read -r tag src dir <<< "$t"

@@ -19,19 +19,13 @@ source scripts/device_env.sh
 targets=(train_bench)
 [ "${DAEMON:-1}" = 0 ] || targets+=(nsad nsad-worker nsactl)
 echo "== build ${targets[*]} ($(date +%T))"
-if ! { cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNSAD_BUILD_BENCH=ON \
-         -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" > "$out/configure.log" 2>&1 &&
-       timeout 480 cmake --build "$B" -j "$(nproc)" --target "${targets[@]}" > "$out/build.log" 2>&1; }; then
-  tail -n 40 "$out/configure.log" "$out/build.log"; echo "BUILD FAILED"; exit 1
-fi
+device_build . "$B" "$out" "" "${targets[@]}" || exit 1
 
 if [ "${DAEMON:-1}" != 0 ]; then
   state=/tmp/sustained-state; rm -rf "$state"
   scripts/m7c_random_config.sh "$state" "$steps" > /dev/null
   sed -i 's#"log_every": [0-9]*#"log_every": 1#' "$state/m7c.json"
-  "$B/bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$out/nsad.log" 2>&1 &
-  daemon=$!
-  for _ in $(seq 100); do [ -f "$state/endpoints.json" ] && break; sleep 0.2; done
+  device_daemon_start "$B/bin" "$state" "$out/nsad.log" || exit 1
 fi
 
 fields=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap
@@ -57,7 +51,7 @@ for r in $(seq "${ROUNDS:-2}"); do
   fi
 done
 kill $smi
-if [ "${DAEMON:-1}" != 0 ]; then kill "$daemon"; wait "$daemon"; fi
+device_daemon_stop
 
 python3 - "$out" "$steps" <<'PY'
 import re, statistics as st, sys
