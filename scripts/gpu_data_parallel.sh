@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Data parallelism on a machine with two or more GPUs, in one go (the device tool's single
-# call on nvidia-h100-x2): build (Release) -> the multi-GPU tests (two workers train as one
-# with their batches together; a dead worker fails its run) -> the daemon training m7c 125M
-# (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES workers in turn, eager
-# steps, then again with CUDA graphs, each run's throughput printed by nsactl.
+# Data parallelism on a machine with two or more GPUs, in one go (the device tool's single call
+# on a two-GPU kind: nvidia-h100-x2, nvidia-h200-x2): build (Release) -> the multi-GPU tests
+# (two workers train as one with their batches together; a dead worker fails its run) -> the
+# daemon training m7c 125M (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES
+# workers in turn, eager steps, then again with CUDA graphs, each run's throughput printed by
+# nsactl.
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-dp. Carry .device-deps and .kernel-deps.
 #   scripts/gpu_data_parallel.sh [LOG_DIR]   env: M7C_STEPS=40, WORLD_SIZES="2 1"
 set -uo pipefail

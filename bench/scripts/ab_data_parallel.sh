@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A/B of two trees' data-parallel training step on a machine with two or more GPUs, in one
-# device call (nvidia-h100-x2): builds this tree and PREV_TREE at once (Release: nsad,
-# nsad-worker, nsactl; daemon_test for this tree), runs this tree's multi-GPU daemon tests,
-# then trains m7c 125M (seq 2048, bf16, batch 16 per GPU, random tokens) through nsactl on
-# WORLD_SIZE workers, a fresh daemon per run, the trees alternated ROUNDS times so that
-# drift shows up as spread. Each run prints nsactl's tok/s lines and its last step time.
+# device call (a two-GPU kind: nvidia-h100-x2, nvidia-h200-x2): builds this tree and PREV_TREE
+# at once (Release: nsad, nsad-worker, nsactl; daemon_test for this tree), runs this tree's
+# multi-GPU daemon tests, then trains m7c 125M (seq 2048, bf16, batch 16 per GPU, random tokens)
+# through nsactl on WORLD_SIZE workers, a fresh daemon per run, the trees alternated ROUNDS
+# times so that drift shows up as spread. Each run prints nsactl's tok/s lines and its last step
+# time.
 #   PREV_TREE=.prev bench/scripts/ab_data_parallel.sh OUT_DIR
 # Env: PREV_TREE (required; e.g. `git archive HEAD | tar -x -C .prev`, carried), M7C_STEPS
 # [20], ROUNDS [2], WORLD_SIZE [2], GRAPHS [true], TEST_FILTER [*TwoGpu*:*DeadWorker*; skip].
