@@ -21,11 +21,13 @@ device_build() {
 }
 
 # device_daemon_start BIN_DIR STATE_DIR LOG: nsad from BIN_DIR on 127.0.0.1:50051 (metrics on
-# :9464) with STATE_DIR, its output in LOG; waits up to 20 s for the endpoints file it writes
-# once it serves. Sets DAEMON_PID. Returns 1 (log tail printed, daemon stopped) if it never serves.
+# :9464; NSAD_LISTEN / NSAD_METRICS override them, port 0 picks a free one) with STATE_DIR,
+# its output in LOG; waits up to 20 s for the endpoints file it writes once it serves. Sets
+# DAEMON_PID. Returns 1 (log tail printed, daemon stopped) if it never serves.
 device_daemon_start() {
   local bin=$1 state=$2 log=$3
-  "$bin/nsad" --listen 127.0.0.1:50051 --metrics 127.0.0.1:9464 --state-dir "$state" > "$log" 2>&1 &
+  "$bin/nsad" --listen "${NSAD_LISTEN:-127.0.0.1:50051}" --metrics "${NSAD_METRICS:-127.0.0.1:9464}" \
+    --state-dir "$state" > "$log" 2>&1 &
   DAEMON_PID=$!
   for _ in $(seq 100); do
     [ -f "$state/endpoints.json" ] && return 0
