@@ -1428,10 +1428,11 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     // lane's rows where 2 kM divide the heads per group, else a tile's two rows where two do; an
     // odd head count per group takes the product.
     constexpr int kM = Cfg::kM;
+    const bool quad = UseQuadMap(g);
     auto imp = CmpSmemKernel<scalar_t, D, true, false>;
-    if (UseQuadMap(g) && s.hq() % 2 == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2>;
+    if (quad && s.hq() % 2 == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2>;
     if constexpr (kM > 1) {
-      if (UseQuadMap(g) && s.hq() % (2 * kM) == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2 * kM>;
+      if (quad && s.hq() % (2 * kM) == 0) imp = CmpSmemKernel<scalar_t, D, true, true, 2 * kM>;
     }
     AllowSmem(imp, Cfg::ImpSmem());
     imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(

@@ -392,8 +392,9 @@ std::vector<std::string> Split(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const nsad::TrainConfig m7c = nsad::M7cTrainConfig();
   std::vector<int> batches = {1, 16};
-  int seq = nsad::M7cTrainConfig().seq_len, steps = 20;
+  int seq = m7c.seq_len, steps = 20;
   std::vector<std::string> variants = {"nsa-cuda", "dense-flash", "nsa-reference"};
   std::vector<bool> graph_modes = {false, true};
   bool torch_optim = false;
@@ -510,7 +511,7 @@ int main(int argc, char** argv) {
     std::printf("train_bench: no CUDA device; nothing measured\n");
     return 0;
   }
-  const ModelConfig config = nsad::M7cTrainConfig().model;
+  const ModelConfig& config = m7c.model;
   std::printf("m7c: dim %d, %d layers, %d heads, %d kv groups, head dim %d, seq %d, bf16 autocast, AdamW\n",
               config.dim, config.n_layers, config.n_heads, config.n_kv_groups, config.head_dim, seq);
   std::printf("%-24s %5s %12s %12s %12s\n", "variant", "batch", "params", "step_ms", "tok/s");
