@@ -32,6 +32,9 @@ constexpr std::pair<const char*, SelectedChoice::Dq> kSlcDqNames[] = {
 constexpr std::pair<const char*, SelectedChoice::Order> kSlcOrderNames[] = {
     {"auto", SelectedChoice::Order::kAuto}, {"block", SelectedChoice::Order::kBlock},
     {"position", SelectedChoice::Order::kPosition}};
+constexpr std::pair<const char*, SelectedChoice::Combine> kSlcCombineNames[] = {
+    {"auto", SelectedChoice::Combine::kAuto}, {"one", SelectedChoice::Combine::kOne},
+    {"batch4", SelectedChoice::Combine::kBatch4}};
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};

@@ -50,10 +50,16 @@ struct SelectedKernelChoice {
   // they are in L2. kAuto: the measured default.
   enum class Order { kAuto, kBlock, kPosition };
 
+  // How the kBlocks forward's combine reads a row's partials: one block at a time (kOne, 40
+  // registers, six CTAs an SM) or four blocks' loads in flight before merging them (kBatch4,
+  // four CTAs an SM). kAuto: kBatch4, measured faster (H200, 64k 12:2: 659 -> 553 us a call).
+  enum class Combine { kAuto, kOne, kBatch4 };
+
   Fwd fwd = Fwd::kAuto;
   DkDv dkdv = DkDv::kAuto;
   Dq dq = Dq::kAuto;
   Order order = Order::kAuto;
+  Combine combine = Combine::kAuto;
   // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
   // the measured default (256), else 1..kMaxSelectedQueriesPerItem (the kernels keep the
   // item's positions in shared memory).

@@ -519,7 +519,10 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                  part_lse.data_ptr<float>(), s, KeyPolicy(map, s, n, g.slc_block), scale_log2);
   }
   const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
-  block_fwd::CombineSelectedPartials<scalar_t, D><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
+  const auto combine = choice.combine == Choice::Combine::kOne
+                           ? block_fwd::CombineSelectedPartials<scalar_t, D>
+                           : block_fwd::CombineSelectedPartialsBatched<scalar_t, D, 4>;
+  combine<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
       part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
       lse.data_ptr<float>(), s, n, NS);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

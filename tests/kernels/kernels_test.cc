@@ -199,6 +199,13 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       // block's entries over many work items.
       {"fwd blocks", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0), true, false},
       {"fwd blocks, 24 queries per item", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24), true, false},
+      {"fwd blocks, combine one block at a time",
+       [&] {
+         Choice c = make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0);
+         c.combine = Choice::Combine::kOne;
+         return c;
+       }(),
+       true, false},
       {"fwd blocks, one batch element per pass", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0, Dq::kQuerySide, 1),
        true, false},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
@@ -299,6 +306,15 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
     SCOPED_TRACE(name);
     Choice choice;
     choice.fwd = fwd;
+    const cuda::detail::ScopedSelectedKernelChoice force(choice);
+    Poison();
+    ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
+  }
+  if (c.dtype != torch::kFloat) {  // each combine has its own repeat check ("blocks": kBatch4)
+    SCOPED_TRACE("blocks, combine one block at a time");
+    Choice choice;
+    choice.fwd = Choice::Fwd::kBlocks;
+    choice.combine = Choice::Combine::kOne;
     const cuda::detail::ScopedSelectedKernelChoice force(choice);
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
