@@ -480,18 +480,20 @@ bool PositionOrder(const Choice& c, const Shape& s, int n, int num_blocks, bool 
 }
 
 // The key-centric forward (selected_block_forward.cuh): forced, or (auto) where neighbouring
-// positions share few blocks (num_blocks >= 32 n at D=64, 16 n at D=128, whose blocks cost
+// positions share few blocks (num_blocks >= 8 n at D=64, 4 n at D=128, whose blocks cost
 // twice the bytes to read) and groups are small enough that the partials, which grow with
 // the heads per group, cost less than the per-position kernel's block reads, which do not
-// (it pads the group to 16 MMA rows). Measured on H100 (nsa_bench --slc-only, selected
-// forward ms, per-position -> blocks), 12:2: 8k D64 0.52 -> 0.73, D128 1.18 -> 1.23; 16k
-// D64 1.06 -> 1.05-1.28, D128 2.45 -> 1.90; 32k D64 2.15 -> 1.77, D128 4.93 -> 3.22; 64k
-// D64 4.27 -> 3.05, D128 10.40 -> 6.07. 64k D64 64:4: 8.63 -> 13.76. By interpolation over
-// the heads per group, it pays up to about 8 heads.
+// (it pads the group to 16 MMA rows). Measured on the H200 with the batched combine and three
+// CTAs an SM at D=64 (nsa_bench, batch 1, 12:2, `slc` forward ms, 2 rounds (at 4k one of
+// the rows kernel), the rows/heads kernels -> blocks): 4k D64 0.279 -> 0.268-0.287 (even: the
+// rows kernel stays), D128 0.574 -> 0.407-0.457; 8k D64 0.567-0.598 -> 0.375-0.466, D128 1.193-1.201 -> 0.731-0.758; 16k
+// D64 1.144-1.154 -> 0.637-0.681. 64:4 loses at every length (8k D64 1.12 -> 1.50-1.58, 64k
+// D64 9.57-9.63 -> 11.39-11.52): by the H100's interpolation over the heads per group, it
+// pays up to about 8 heads.
 bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
   if (c.fwd == Choice::Fwd::kBlocks) return true;
   if (c.fwd != Choice::Fwd::kAuto) return false;
-  return num_blocks >= (s.D >= 128 ? 16 : 32) * n && s.hq() <= 8;
+  return num_blocks >= (s.D >= 128 ? 4 : 8) * n && s.hq() <= 8;
 }
 
 // The partials of a pass (B T G n hq rows of D values and an lse) stay under this many bytes:
