@@ -485,8 +485,8 @@ bool PositionOrder(const Choice& c, const Shape& s, int n, int num_blocks, bool 
 // the heads per group, cost less than the per-position kernel's block reads, which do not
 // (it pads the group to 16 MMA rows). Measured on the H200 with the batched combine and three
 // CTAs an SM at D=64 (nsa_bench, batch 1, 12:2, `slc` forward ms, 2 rounds (at 4k one of
-// the rows kernel), the rows/heads kernels -> blocks): 4k D64 0.279 -> 0.268-0.287 (even: the
-// rows kernel stays), D128 0.574 -> 0.407-0.457; 8k D64 0.567-0.598 -> 0.375-0.466, D128 1.193-1.201 -> 0.731-0.758; 16k
+// the per-position kernel), per-position -> blocks): 4k D64 0.279 -> 0.268-0.287 (even: the
+// per-position kernel stays), D128 0.574 -> 0.407-0.457; 8k D64 0.567-0.598 -> 0.375-0.466, D128 1.193-1.201 -> 0.731-0.758; 16k
 // D64 1.144-1.154 -> 0.637-0.681. 64:4 loses at every length (8k D64 1.12 -> 1.50-1.58, 64k
 // D64 9.57-9.63 -> 11.39-11.52): by the H100's interpolation over the heads per group, it
 // pays up to about 8 heads.
