@@ -486,10 +486,10 @@ bool PositionOrder(const Choice& c, const Shape& s, int n, int num_blocks, bool 
 // (it pads the group to 16 MMA rows). Measured on the H200 with the batched combine and three
 // CTAs an SM at D=64 (nsa_bench, batch 1, 12:2, `slc` forward ms, 2 rounds (at 4k one of
 // the per-position kernel), per-position -> blocks): 4k D64 0.279 -> 0.268-0.287 (even: the
-// per-position kernel stays), D128 0.574 -> 0.407-0.457; 8k D64 0.567-0.598 -> 0.375-0.466, D128 1.193-1.201 -> 0.731-0.758; 16k
-// D64 1.144-1.154 -> 0.637-0.681. 64:4 loses at every length (8k D64 1.12 -> 1.50-1.58, 64k
-// D64 9.57-9.63 -> 11.39-11.52): by the H100's interpolation over the heads per group, it
-// pays up to about 8 heads.
+// per-position kernel stays), D128 0.574 -> 0.407-0.457; 8k D64 0.567-0.598 -> 0.375-0.466,
+// D128 1.193-1.201 -> 0.731-0.758; 16k D64 1.144-1.154 -> 0.637-0.681. 64:4 loses at every
+// length (8k D64 1.12 -> 1.50-1.58, 64k D64 9.57-9.63 -> 11.39-11.52): by the H100's
+// interpolation over the heads per group, it pays up to about 8 heads.
 bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
   if (c.fwd == Choice::Fwd::kBlocks) return true;
   if (c.fwd != Choice::Fwd::kAuto) return false;
@@ -521,9 +521,8 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                  part_lse.data_ptr<float>(), s, KeyPolicy(map, s, n, g.slc_block), scale_log2);
   }
   const int64_t threads = static_cast<int64_t>(s.B) * s.T * s.H * (D / 8);
-  const auto combine = choice.combine == Choice::Combine::kOne
-                           ? block_fwd::CombineSelectedPartials<scalar_t, D>
-                           : block_fwd::CombineSelectedPartialsBatched<scalar_t, D, 4>;
+  const auto combine = choice.combine == Choice::Combine::kOne ? block_fwd::CombineSelectedPartials<scalar_t, D, 1>
+                                                               : block_fwd::CombineSelectedPartials<scalar_t, D, 4>;
   combine<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
       part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
       lse.data_ptr<float>(), s, n, NS);

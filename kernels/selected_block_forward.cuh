@@ -13,8 +13,8 @@
 //      in one step, and writes o / l (input type) and the partial log2-sum-exp per row.
 //   2. CombineSelectedPartials: per (position, head), the log2-sum-exp over the distinct
 //      selected blocks (a block listed twice counts once, as in the reference) and the
-//      partials weighted by 2^(lse_i - lse): the output and lse the backward expects
-//      (CombineSelectedPartialsBatched: the same, four blocks' loads at a time).
+//      partials weighted by 2^(lse_i - lse): the output and lse the backward expects; four
+//      blocks' loads in flight at a time.
 // The partials cost B T G n hq (D + 2) 16-bit words of HBM traffic each way, against 16
 // blocks of K and V per (position, group) from L2 for the query-centric kernels: this pays
 // only when neighbours share few blocks (long sequences; the dispatch is measured).
@@ -157,61 +157,19 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 }
 
 // One thread per (b, t, head, 8 columns): out and lse (log2 units, +inf and a zero row when no
-// block had a visible key) from the partials of the position's distinct selected blocks.
-template <typename scalar_t, int D>
-__global__ void __launch_bounds__(256)
+// block had a visible key) from the partials of the position's distinct selected blocks,
+// kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's lse, then its o, are
+// loaded before any is used, so a thread waits on two loads a batch instead of two a block
+// (the kernel is a stream of HBM reads). kBatch 8 at 86 registers (two CTAs an SM) was slower
+// than one at a time (PERFORMANCE.md, thirty-third session); 4 under four CTAs an SM keeps
+// most of the occupancy and is the default (ncu, H200, 64k 12:2 D64: 553 us a call against
+// 659 for the one-at-a-time kernel that kBatch 1 replaces). The repeat check compares the
+// batch's block indices, held in registers, with each earlier entry once.
+template <typename scalar_t, int D, int kBatch>
+__global__ void __launch_bounds__(256, 4)
     CombineSelectedPartials(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,
                             const int* __restrict__ block_idx, scalar_t* __restrict__ out,
                             float* __restrict__ lse, Shape s, int n, int num_blocks) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
-  if (i >= rows * kChunks) return;
-  const int ch = static_cast<int>(i % kChunks);
-  const int64_t row = i / kChunks;  // (b, t, h) of [B,T,H]
-  const int h = static_cast<int>(row % s.H), hq = s.hq(), grp = h / hq, head = h % hq;
-  const int64_t e0 = (row / s.H * s.G + grp) * n;  // the (b, t, g) entries
-  const int* idx = block_idx + e0;
-  float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < n; ++j) {
-    const int blk = idx[j];
-    if (blk < 0 || blk >= num_blocks) continue;
-    bool repeat = false;
-    for (int j2 = 0; j2 < j; ++j2) repeat |= idx[j2] == blk;
-    if (repeat) continue;
-    const int64_t p = (e0 + j) * hq + head;
-    const float x = part_lse[p];
-    if (x == INFINITY) continue;  // the block had no visible key
-    const float m_new = fmaxf(m, x);
-    const float alpha = mma::Exp2(m - m_new), wgt = mma::Exp2(x - m_new);
-    const uint4 raw = *reinterpret_cast<const uint4*>(part_o + p * D + 8 * ch);
-    const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw);
-#pragma unroll
-    for (int d = 0; d < 8; ++d) acc[d] = acc[d] * alpha + wgt * static_cast<float>(val[d]);
-    l = l * alpha + wgt;
-    m = m_new;
-  }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  alignas(16) scalar_t res[8];
-#pragma unroll
-  for (int d = 0; d < 8; ++d) res[d] = static_cast<scalar_t>(acc[d] * inv);
-  *reinterpret_cast<uint4*>(out + row * D + 8 * ch) = *reinterpret_cast<const uint4*>(res);
-  if (ch == 0) lse[row] = l > 0.f ? m + log2f(l) : INFINITY;
-}
-
-// CombineSelectedPartials with the blocks kBatch at a time (SelectedKernelChoice::Combine): a
-// batch's lse, then its o, are loaded before any is used, so a thread waits on two loads a
-// batch instead of two a block (one at a time, each iteration waits on its own loads, and the
-// kernel is a stream of HBM reads). kBatch 8 at 86 registers (two CTAs an SM) was slower than
-// one at a time (PERFORMANCE.md, thirty-third session); 4 under four CTAs an SM keeps most of
-// the occupancy and is the default (ncu, H200, 64k 12:2 D64: 553 us a call against 659). The
-// repeat check compares the batch's block indices, held in registers, with each earlier entry
-// once.
-template <typename scalar_t, int D, int kBatch>
-__global__ void __launch_bounds__(256, 4)
-    CombineSelectedPartialsBatched(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,
-                                   const int* __restrict__ block_idx, scalar_t* __restrict__ out,
-                                   float* __restrict__ lse, Shape s, int n, int num_blocks) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;

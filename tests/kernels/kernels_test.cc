@@ -310,7 +310,9 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
   }
-  if (c.dtype != torch::kFloat) {  // each combine has its own repeat check ("blocks": kBatch4)
+  // "blocks" combines four partials at a time, so its repeat falls inside a batch; one at a
+  // time, it falls across batches.
+  if (c.dtype != torch::kFloat) {
     SCOPED_TRACE("blocks, combine one block at a time");
     Choice choice;
     choice.fwd = Choice::Fwd::kBlocks;
