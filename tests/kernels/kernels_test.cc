@@ -295,28 +295,26 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
   const auto idx = SelectionWithBlockZeroRepeated(c, geo_);
   const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
                                               geo_);
-  const std::vector<std::pair<const char*, Choice::Fwd>> forwards =
-      c.dtype == torch::kFloat  // one scalar kernel
-          ? std::vector<std::pair<const char*, Choice::Fwd>>{{"fp32", Choice::Fwd::kAuto}}
-          : std::vector<std::pair<const char*, Choice::Fwd>>{{"tiled", Choice::Fwd::kTiled},
-                                                             {"blocks", Choice::Fwd::kBlocks},
-                                                             {"rows", Choice::Fwd::kRows},
-                                                             {"heads", Choice::Fwd::kHeads}};
-  for (const auto& [name, fwd] : forwards) {
-    SCOPED_TRACE(name);
-    Choice choice;
-    choice.fwd = fwd;
-    const cuda::detail::ScopedSelectedKernelChoice force(choice);
-    Poison();
-    ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
-  }
   // "blocks" combines four partials at a time, so its repeat falls inside a batch; one at a
   // time, it falls across batches.
-  if (c.dtype != torch::kFloat) {
-    SCOPED_TRACE("blocks, combine one block at a time");
+  struct Forward {
+    const char* name;
+    Choice::Fwd fwd;
+    Choice::Combine combine = Choice::Combine::kAuto;
+  };
+  const std::vector<Forward> forwards =
+      c.dtype == torch::kFloat  // one scalar kernel
+          ? std::vector<Forward>{{"fp32", Choice::Fwd::kAuto}}
+          : std::vector<Forward>{{"tiled", Choice::Fwd::kTiled},
+                                 {"blocks", Choice::Fwd::kBlocks},
+                                 {"blocks, combine one block at a time", Choice::Fwd::kBlocks, Choice::Combine::kOne},
+                                 {"rows", Choice::Fwd::kRows},
+                                 {"heads", Choice::Fwd::kHeads}};
+  for (const Forward& f : forwards) {
+    SCOPED_TRACE(f.name);
     Choice choice;
-    choice.fwd = Choice::Fwd::kBlocks;
-    choice.combine = Choice::Combine::kOne;
+    choice.fwd = f.fwd;
+    choice.combine = f.combine;
     const cuda::detail::ScopedSelectedKernelChoice force(choice);
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
