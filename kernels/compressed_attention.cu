@@ -268,8 +268,9 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 // tile. Only the last few selection blocks of a tile are shared with the next tile (blocks
 // are l >= d tokens long); their sums are carried in shared memory to the next tile of the
 // same CTA, everything else is final and stored plainly, and the CTA zero-fills the
-// selection blocks past its last tile: no atomics, no zero-initialised importance tensor,
-// and the result does not depend on scheduling.
+// selection blocks past its last tile (zero_tail; the fused layer's selection never reads
+// them: up to half of the tensor at long T): no atomics, no zero-initialised importance
+// tensor, and the result does not depend on scheduling.
 //
 // m16 tiles per warp (kTilesPerWarp): the importance pass takes two at D=64 (128 registers,
 // four CTAs of four warps per SM). The forward and dQ take one at every head_dim (eight
@@ -420,7 +421,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
                   const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
                   float* __restrict__ lse, float* __restrict__ importance, Shape s,
                   int positions_per_cta, int NS, int slc_block, int cmp_block, int cmp_stride,
-                  float scale_log2) {
+                  float scale_log2, bool zero_tail) {
   using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>()>;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kKs = D / 16, kNt = kN / 8;
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -639,7 +640,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
       sb_end = sb_next;
     }
   }
-  if constexpr (kImportance) {
+  if (kImportance && zero_tail) {
     // Selection blocks no visible compressed block overlaps.
     const int ncol = NS - sb_end;
     for (int i = threadIdx.x; i < positions * ncol; i += Cfg::kThreads) {
@@ -1378,7 +1379,7 @@ void SmemForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor&
   fwd<<<sg.grid, Cfg::kThreads, Cfg::FwdSmem(), at::cuda::getCurrentCUDAStream()>>>(
       q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), v_cmp.data_ptr<scalar_t>(),
       out.data_ptr<scalar_t>(), lse.data_ptr<float>(), nullptr, s, sg.per_cta, NS, g.slc_block,
-      g.cmp_block, g.cmp_stride, scale_log2);
+      g.cmp_block, g.cmp_stride, scale_log2, /*zero_tail=*/false);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1418,7 +1419,7 @@ void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tens
 template <typename scalar_t, int D>
 void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
                       at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
-                      bool smem_path) {
+                      bool smem_path, bool zero_tail = true) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (smem_path) {
     using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
@@ -1437,7 +1438,8 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
     AllowSmem(imp, Cfg::ImpSmem());
     imp<<<sg.grid, Cfg::kThreads, Cfg::ImpSmem(), stream>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), nullptr, nullptr, lse.data_ptr<float>(),
-        importance.data_ptr<float>(), s, sg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2);
+        importance.data_ptr<float>(), s, sg.per_cta, NS, g.slc_block, g.cmp_block, g.cmp_stride, scale_log2,
+        zero_tail);
   } else {
     const QueryGrid mg = MmaQueryGrid(s);
     if (mg.Empty()) return;
@@ -1520,7 +1522,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedForward(const at::Tenso
 }
 
 at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
-                                const Geo& g) {
+                                const Geo& g, bool selection_only) {
   CheckCompressed(q, k_cmp, k_cmp, g);
   TORCH_CHECK(q.scalar_type() != at::kFloat, "the importance pass alone runs on bf16/fp16 inputs");
   const Shape s = MakeShape(q, k_cmp);
@@ -1534,7 +1536,7 @@ at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, co
   AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "nsa_cmp_importance", [&] {
     DispatchHeadDim(s.D, [&](auto dim) {
       LaunchImportance<scalar_t, decltype(dim)::value>(q, k_cmp, lse, importance, s, g, NS, scale_log2,
-                                                        smem_path);
+                                                        smem_path, /*zero_tail=*/!selection_only);
     });
   });
   return importance;

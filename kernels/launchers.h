@@ -79,9 +79,11 @@ at::Tensor UnpackCompressedRows(const at::Tensor& packed, int64_t T, const Geo& 
 // log2 units, +inf where a position sees no block (the custom forward's convention).
 at::Tensor CompressedLseFromPacked(const at::Tensor& lse_packed, int64_t T, const Geo& g);
 // The importance pass alone, from the forward's log-sum-exp ([B,T,H], log2 units):
-// [B,T,G,NS] float32. bf16/fp16 inputs.
+// [B,T,G,NS] float32. bf16/fp16 inputs. selection_only: for SelectBlocksLaunch alone, which
+// reads blocks 1 .. t/l' - 2 of position t; blocks past those its tile of positions overlaps
+// may be left unwritten (up to half of the tensor at long T, where the others write zeros).
 at::Tensor CompressedImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
-                                const Geo& g);
+                                const Geo& g, bool selection_only = false);
 // Whether the compressed branch runs on cuDNN for q (CompressedKernelChoice, kernel_choice.h);
 // a forced kDense that cannot run (fp32, head_dim not a multiple of 8 or over 128, no cuDNN)
 // fails.

@@ -84,8 +84,9 @@ struct CompressedSaved {
 // 1/sqrt(head_dim): the softmax scale every branch's attention takes.
 double SoftmaxScale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
 
+// selection_only: the importance goes to SelectBlocksLaunch alone (CompressedImportance).
 CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
-                                        const Geo& geo, bool dense) {
+                                        const Geo& geo, bool dense, bool selection_only = false) {
   CompressedSaved c;
   if (!dense) {
     std::tie(c.out, c.lse, c.importance) = detail::CompressedForward(q, k_cmp, v_cmp, geo);
@@ -100,7 +101,8 @@ CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Ten
           /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
           SoftmaxScale(q));
   c.out = detail::UnpackCompressedRows(c.out_rows.transpose(1, 2).contiguous(), T, geo);
-  c.importance = detail::CompressedImportance(q, k_cmp, detail::CompressedLseFromPacked(lse_rows, T, geo), geo);
+  c.importance = detail::CompressedImportance(q, k_cmp, detail::CompressedLseFromPacked(lse_rows, T, geo), geo,
+                                              selection_only);
   c.lse = lse_rows;
   return c;
 }
@@ -309,7 +311,7 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
     const auto q = detail::RopeForward(q_unrotated.unsqueeze(2), rope_cos, rope_sin, 1u)[0];
-    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp);
+    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp, /*selection_only=*/true);
     auto block_idx = detail::SelectBlocksLaunch(c.importance, q.size(1), geo);
     auto [o_slc, lse_slc] = detail::SelectedForward(q, k_slc, v_slc, block_idx, geo);
     const auto w = WindowForwardToSave(q, k_win, v_win, g.window, tiled_forward, wgmma_backward);

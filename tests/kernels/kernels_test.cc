@@ -742,6 +742,39 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
   }
 }
 
+// The fused layer's importance pass leaves the selection blocks past each tile of positions
+// unwritten (CompressedImportance's selection_only): the selection must not read them, and
+// every block it ranks (up to t / l' - 2) is written and equals the zero-filling pass's. The
+// tensor's memory is NaN first where the caching allocator hands back the freed block of the
+// same size (as KernelsTest::Poison does), so that a skipped block the selection needed would
+// not read as a plausible zero.
+TEST(CompressedImportance, SelectionOnlyLeavesWhatTheSelectionNeeds) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(cuda::Available());
+  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
+  const int64_t H = 12, G = 2;
+  for (const auto [T, D] : {std::pair<int64_t, int64_t>{4500, 64}, {3000, 128}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D));
+    torch::manual_seed(T + D);
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    const int64_t N = NumCmpBlocks(T, Geometry{}), NS = NumSlcBlocks(T, Geometry{});
+    const auto q = torch::randn({1, T, H, D}, opts);
+    const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
+    const auto lse = std::get<1>(cuda::detail::CompressedForward(q, k, v, geo));
+    const auto full = cuda::detail::CompressedImportance(q, k, lse, geo);
+    torch::full({1, T, G, NS}, std::nan(""), opts.dtype(torch::kFloat));  // freed at once
+    const auto partial = cuda::detail::CompressedImportance(q, k, lse, geo, /*selection_only=*/true);
+    EXPECT_TRUE(torch::equal(cuda::detail::SelectBlocksLaunch(partial, T, geo),
+                             cuda::detail::SelectBlocksLaunch(full, T, geo)));
+    // Blocks 0 .. t / l' - 2 of position t (those the selection ranks): the mask [T, NS].
+    const auto cuda_ints = torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA);
+    const auto own = torch::arange(NS, cuda_ints).unsqueeze(0) <=
+                     torch::div(torch::arange(T, cuda_ints), geo.slc_block, "floor").unsqueeze(1) - 2;
+    const auto mask = own.view({1, T, 1, NS}).expand_as(full);
+    EXPECT_TRUE(torch::equal(partial.masked_select(mask), full.masked_select(mask)));
+  }
+}
+
 TEST(SelectBlocksLongRows, FollowTheRules) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
