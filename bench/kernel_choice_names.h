@@ -47,7 +47,8 @@ constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
 constexpr std::pair<const char*, GemmChoice::Algo> kGemmNames[] = {
     {"auto", GemmChoice::Algo::kAuto}, {"cublas", GemmChoice::Algo::kCublas}, {"tuned", GemmChoice::Algo::kTuned}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
-    {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct}};
+    {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct},
+    {"slots", CompressedChoice::Map::kSlots}};
 constexpr std::pair<const char*, CompressedChoice::KeySide> kCmpKeySideNames[] = {
     {"auto", CompressedChoice::KeySide::kAuto}, {"smem", CompressedChoice::KeySide::kSmem},
     {"wgmma", CompressedChoice::KeySide::kWgmma}};

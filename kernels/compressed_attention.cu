@@ -15,7 +15,9 @@
 //
 // bf16/fp16 inputs run on tensor cores. Default: FlashAttention-2-style kernels with
 // shared-memory tiles (CmpSmemKernel forward / importance, CmpSmemDqKernel,
-// CmpSmemDkDvKernel): 128 flattened (position, head) rows per query-side CTA, each 64-block
+// CmpSmemDkDvKernel; the importance at head_dim 64 with an even head count per group up to 8
+// on CmpImportanceLaneKernel, all of a position's heads in one lane): 128 flattened
+// (position, head) rows per query-side CTA, each 64-block
 // K/V tile copied once per CTA with cp.async (double buffered) and read by all warps with
 // ldmatrix. The earlier register-only kernels (CmpQueryMmaKernel, CmpImportanceMmaKernel,
 // mma::DkDvMmaKernel: 64 rows per CTA, 16 per warp, operands straight from L1/L2) remain for
@@ -341,9 +343,9 @@ __host__ __device__ inline bool QuadMapApplies(int cmp_block, int cmp_stride, in
 // are 1 and 1/2 and each mapped pair costs one FFMA and one FMUL; otherwise the weights 2d and
 // d are the lane's constants (one FFMA and two FMULs). Either way the result is what d (2 p0
 // + w p1) rounds to when d is a power of two (scaling by a power of two is exact).
-template <int kNt, bool kTimes2d, typename PairAt>
-__device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, float d, int lane, float& spill,
-                                           int n_end = kNt) {
+template <int kNt, bool kTimes2d, typename PairAt, typename Store>
+__device__ __forceinline__ void QuadMapRowTo(const PairAt& pair_at, const Store& store, float d, int lane,
+                                             float& spill, int n_end = kNt) {
   constexpr unsigned kAll = 0xffffffffu;
   const int c = lane & 3;
   const bool odd = (c & 1) != 0;
@@ -361,10 +363,16 @@ __device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, floa
     const float next = ws * p.y;
     const float pair = own + __shfl_xor_sync(kAll, own, 1);
     const float in = __shfl_sync(kAll, c == 3 ? prev_spill : next, spill_src);
-    if (!odd) x[2 * n + (c >> 1)] = pair + in;
+    if (!odd) store(n, 2 * n + (c >> 1), pair + in);
     prev_spill = next;
   }
   spill = prev_spill;
+}
+// QuadMapRowTo with store(n, col, value) writing column col of the staged row x.
+template <int kNt, bool kTimes2d, typename PairAt>
+__device__ __forceinline__ void QuadMapRow(const PairAt& pair_at, float* x, float d, int lane, float& spill,
+                                           int n_end = kNt) {
+  QuadMapRowTo<kNt, kTimes2d>(pair_at, [x](int, int col, float value) { x[col] = value; }, d, lane, spill, n_end);
 }
 
 // The lane's rows of kTiles m16 tiles (p[0] .. p[kTiles - 1]) that are heads of one position
@@ -650,6 +658,149 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   }
 
   if constexpr (!kImportance) smem_fwd::Finish<kBf16, D, kM>(st, out, lse, row_index, row_valid, lane);
+}
+
+// The importance pass with all of a position's heads in one lane, for an even head count per
+// group up to 2 kMaxLaneTiles at head_dim 64 in the paper's geometry (QuadMapApplies): lane
+// (g, c) of warp w holds position 8 w + g of the CTA, head 2 m + h in row g + 8 h of its m16
+// tile m (kM = hq / 2 tiles). Per n8 tile of keys the lane adds its 2 kM rows' 2 d P (one
+// visibility test for all of them: they share the position) and maps the sum once
+// (QuadMapRowTo), so each quad's map is the position's final importance: stored straight to
+// global memory, the spill into the next key tile's first selection block carried in lane 3's
+// register. Against CmpSmemKernel's quad map (a lane's two heads, X rows staged in shared
+// memory and the group's heads summed after a barrier every tile) that drops the staging,
+// the per-tile barrier and summation walk, and 1 - 1/kM of the map's shuffles, selects and
+// stores; Q stays in registers (kM D / 4 of them). ncu, H200, 64k D64 12:2 (kM = 3): 1.21 ->
+// 0.985 ms, 725 M -> 316 M warp instructions; it now waits on latency (16 warps an SM, the
+// register limit: 128 at four CTAs, no spill; XU pipe 45% busy). Measured and not kept: five
+// CTAs (96 registers, 36 bytes spilled) 1.01 ms, four n8 tiles' scores at a time 0.994 ms.
+constexpr int kMaxLaneTiles = 4;
+template <int D>
+struct CmpLaneImpCfg {
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kPositions = 8 * kWarps;  // per CTA
+  static constexpr int kN = 64;                  // compressed keys per tile
+  static constexpr int kTileBytes = kN * D * 2;
+  static constexpr int kSmem = 2 * kTileBytes;   // K, two stages
+};
+
+// kScoreGroup: n8 tiles whose scores are computed before their exponentials (independent
+// MMA chains in flight). One at a time, with the stores inside the map: 1.05 ms (ncu above).
+template <typename scalar_t, int D, int kM, int kScoreGroup = 2>
+__global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
+    CmpImportanceLaneKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                            const float* __restrict__ lse, float* __restrict__ importance, Shape s, int NS,
+                            int cmp_block, int cmp_stride, float scale_log2, bool zero_tail) {
+  using Cfg = CmpLaneImpCfg<D>;
+  constexpr int kN = Cfg::kN, kNt = kN / 8;
+  constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float smem[];
+  const uint32_t smem_base = mma::SmemAddr(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
+  const CmpCtaRows cta(s, Cfg::kPositions);
+  const int pos = 8 * warp + (lane >> 2);
+  const bool valid = pos < cta.positions;
+  const int t = cta.t0 + (valid ? pos : 0);
+  const int vis = valid ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+  int64_t row_index[kM][2];
+  bool row_valid[kM][2];
+  float row_lse[kM][2];  // lse - log2(2d): P arrives as 2 d P (QuadMapRow's kTimes2d)
+  const float lse_shift = log2f(2.f * static_cast<float>(cmp_stride));
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_index[m][h] = (static_cast<int64_t>(cta.b) * s.T + t) * s.H + cta.grp * s.hq() + 2 * m + h;
+      row_valid[m][h] = valid;
+      row_lse[m][h] = valid ? lse[row_index[m][h]] - lse_shift : INFINITY;
+    }
+  }
+  uint32_t qf[kM][D / 16][4];
+  smem_fwd::LoadRowFragments<D, kM>(qf, q, row_index, row_valid, lane);
+
+  const int vis_min = CmpVisible(cta.t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(cta.t0 + cta.positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, cta.b, 0, cta.grp);
+  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN;
+    copy_plan.Issue(smem_base + (tile & 1) * Cfg::kTileBytes, k_base + key0 * kv_stride, min(kN, vis_end - key0));
+  };
+  float* const imp_row = importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
+  float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
+  if (tiles > 0) {
+    stage(0);
+    mma::CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    mma::CpAsyncWaitAll();
+    __syncthreads();  // this tile landed for everyone; everyone is done with the other buffer
+    if (tile + 1 < tiles) stage(tile + 1);
+    mma::CpAsyncCommit();
+    const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
+    const uint32_t kbuf = smem_base + (tile & 1) * Cfg::kTileBytes;
+    const bool masked = key0 + kN > vis_min;  // CTA-uniform: only a CTA's last tiles
+    // Scores of kScoreGroup n8 tiles at a time (independent MMA chains in flight), summed over
+    // the lane's rows, then mapped; the lane's columns 2n + c / 2 are stored after the map.
+    float2 pairs[kScoreGroup];
+    float xv[kNt];
+    QuadMapRowTo<kNt, true>(
+        [&](int n) {
+          if (n % kScoreGroup == 0) {
+            float sc[kScoreGroup][kM][4];
+#pragma unroll
+            for (int i = 0; i < kScoreGroup; ++i) smem_fwd::ScoresN8<kBf16, D, kM>(sc[i], qf, kbuf, n + i, lane);
+#pragma unroll
+            for (int i = 0; i < kScoreGroup; ++i) {
+              // The lane's keys 8n + 2c (even) and + 1 (odd), summed over its rows (from the first:
+              // 0 + x is not x for -0, so a sum from 0 would cost an add the compiler must keep).
+              float even = 0.f, odd = 0.f;
+#pragma unroll
+              for (int m = 0; m < kM; ++m) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p[e] = mma::Exp2(sc[i][m][e] * scale_log2 - row_lse[m][e >> 1]);
+                if (m == 0) {
+                  even = p[0] + p[2];
+                  odd = p[1] + p[3];
+                } else {
+                  even += p[0] + p[2];
+                  odd += p[1] + p[3];
+                }
+              }
+              if (masked) {  // the keys past the position's last visible block (a select: NaN-safe)
+                const int key = key0 + 8 * (n + i) + 2 * c;
+                even = key < vis ? even : 0.f;
+                odd = key + 1 < vis ? odd : 0.f;
+              }
+              pairs[i] = make_float2(even, odd);
+            }
+          }
+          return pairs[n % kScoreGroup];
+        },
+        [&](int n, int, float value) { xv[n] = value; }, /*d: unused for 2 d P*/ 0.f, lane, spill);
+    if (valid && (c & 1) == 0) {
+      float* const dst = imp_row + sb_lo + (c >> 1);
+      if (sb_lo + 2 * kNt <= NS) {
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) dst[2 * n] = xv[n];
+      } else {
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) {
+          if (sb_lo + 2 * n + (c >> 1) < NS) dst[2 * n] = xv[n];
+        }
+      }
+    }
+  }
+  // The last tile's spill (column kBlocksPerTile past its first block), then the tail.
+  const int spill_block = tiles * kBlocksPerTile;
+  if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
+  if (valid && zero_tail) {
+    for (int sb = spill_block + 1 + c; sb < NS; sb += 4) imp_row[sb] = 0.f;
+  }
 }
 
 // The forward and the importance in one pass, where every compressed block fits two kN-key
@@ -1414,6 +1565,36 @@ void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Whether the importance runs on CmpImportanceLaneKernel (CompressedKernelChoice::Map): head_dim
+// 64 (Q's fragments in registers), the quad map's geometry, an even head count per group up to
+// 2 kMaxLaneTiles. The caller has chosen the shared-memory path.
+bool UseLaneImportance(const Shape& s, const Geo& g) {
+  return s.D == 64 && UseQuadMap(g) && compressed_map.load() == CompressedKernelChoice::Map::kAuto &&
+         s.hq() % 2 == 0 && s.hq() <= 2 * kMaxLaneTiles;
+}
+
+// CmpImportanceLaneKernel with kM = hq / 2 m16 tiles a lane (from kM up to kMaxLaneTiles).
+template <typename scalar_t, int D, int kM>
+void LaunchLaneImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
+                          at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
+                          bool zero_tail) {
+  if constexpr (kM < kMaxLaneTiles) {
+    if (s.hq() != 2 * kM) {
+      LaunchLaneImportance<scalar_t, D, kM + 1>(q, k_cmp, lse, importance, s, g, NS, scale_log2, zero_tail);
+      return;
+    }
+  }
+  using Cfg = CmpLaneImpCfg<D>;
+  const QueryGrid grid(s, Cfg::kPositions);
+  if (grid.Empty()) return;
+  const auto kernel = CmpImportanceLaneKernel<scalar_t, D, kM>;
+  AllowSmem(kernel, Cfg::kSmem);
+  kernel<<<grid.grid, Cfg::kThreads, Cfg::kSmem, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(), s,
+      NS, g.cmp_block, g.cmp_stride, scale_log2, zero_tail);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The importance pass on tensor cores, from the row log-sum-exp (the shared-memory kernel
 // writes every importance value; the register-only one adds into zeros).
 template <typename scalar_t, int D>
@@ -1421,6 +1602,12 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
                       at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
                       bool smem_path, bool zero_tail = true) {
   const auto stream = at::cuda::getCurrentCUDAStream();
+  if constexpr (D == 64) {
+    if (smem_path && UseLaneImportance(s, g)) {
+      LaunchLaneImportance<scalar_t, D, 1>(q, k_cmp, lse, importance, s, g, NS, scale_log2, zero_tail);
+      return;
+    }
+  }
   if (smem_path) {
     using Cfg = CmpSmemCfg<D, CmpTilesPerWarp<D, true>()>;
     const QueryGrid sg = SmemQueryGrid<D>(s);

@@ -86,7 +86,11 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // odd one takes the product); kProduct forces the product there too (tests, A/B timing).
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
-  enum class Map { kAuto, kProduct };
+  // The importance's map onto selection blocks: kAuto all of a position's heads in one lane
+  // (CmpImportanceLaneKernel) where the quad map applies at head_dim 64 with an even head count
+  // per group up to 8, else the quad map of a lane's two or four heads with X rows staged in
+  // shared memory (kSlots forces that one there), else the W product (kProduct forces it).
+  enum class Map { kAuto, kProduct, kSlots };
   // Our backward's dK/dV (bf16/fp16; dQ stays on the query-side kernel): kSmem the
   // shared-memory mma.sync kernel, kWgmma the selected branch's warpgroup-MMA kernel
   // (selected_dkdv_wgmma.cuh, sm_90a, head_dim 64 or 128) under the compressed mask, kAuto

@@ -466,6 +466,9 @@ TEST_P(KernelsTest, CompressedImportanceQuadMapEqualsTheProduct) {
     const double scale = product.abs().max().item<double>();
     EXPECT_LT((quad - product).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
         << "max |quad - product| over max |product| = " << scale;
+    // The default's heads in one lane (D64, even heads per group up to 8) against the staged rows.
+    EXPECT_LT((quad - importance(Choice::Map::kSlots)).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
+        << "against the staged rows";
   }
 }
 
@@ -702,19 +705,21 @@ TEST(CompressedOnePass, MatchesTheReferenceAndTheTwoPassKernels) {
   }
 }
 
-// The quad map adds the heads of one position that a lane holds before it maps them
-// (LaneRows' kLaneHeads): a tile's two rows where the heads per group are even, all four of
-// the lane's rows where they are a multiple of four at head_dim 64, and an odd count takes the
-// W product. Each, in the one-pass length range (T = 2048) and the two-pass one (T = 4500; 3000
-// at head_dim 128), against the importance of the float32 reference's probabilities, and
-// against the forced W product far tighter (both exact up to float32 rounding): heads added
-// across two positions would be a whole head's share off.
+// The quad map adds the heads of one position that a lane holds before it maps them: all of
+// them at head_dim 64 with an even count per group up to 8 (CmpImportanceLaneKernel: 2, 4, 6
+// and 8 here), else a tile's two rows (LaneRows' kLaneHeads) where the heads per group are
+// even, all four of the lane's rows where they are a multiple of four at head_dim 64, and an
+// odd count takes the W product. Each, in the one-pass length range (T = 2048) and the
+// two-pass one (T = 4500; 3000 at head_dim 128), against the importance of the float32
+// reference's probabilities, and against the forced W product and the forced staged rows
+// (Map::kSlots) far tighter (all exact up to float32 rounding): heads added across two
+// positions would be a whole head's share off.
 TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
   using Choice = cuda::detail::CompressedKernelChoice;
   const Geometry geo;
-  for (const auto [H, G] : {std::pair<int64_t, int64_t>{9, 3}, {12, 2}, {16, 2}}) {
+  for (const auto [H, G] : {std::pair<int64_t, int64_t>{9, 3}, {12, 2}, {16, 2}, {4, 2}, {8, 2}}) {
     for (const auto [T, D] : {std::pair<int64_t, int64_t>{2048, 64}, {4500, 64}, {3000, 128}}) {
       SCOPED_TRACE("H=" + std::to_string(H) + " G=" + std::to_string(G) + " T=" + std::to_string(T) +
                    " D=" + std::to_string(D));
@@ -731,6 +736,13 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
         const cuda::detail::ScopedCompressedKernelChoice force(product_choice);
         product = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
       }
+      Choice slots_choice;
+      slots_choice.map = Choice::Map::kSlots;
+      torch::Tensor slots;
+      {
+        const cuda::detail::ScopedCompressedKernelChoice force(slots_choice);
+        slots = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
+      }
       const auto ref =
           CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), geo);
       const auto want = ImportanceReference(ref.probs, G, geo).to(torch::kDouble);
@@ -738,6 +750,7 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
       EXPECT_LT(err, 2e-2) << "||importance - reference|| / ||reference||";
       const double scale = std::max(product.abs().max().item<double>(), 1.0);
       EXPECT_LT((importance - product).abs().max().item<double>(), 1e-5 * scale) << "against the W product";
+      EXPECT_LT((importance - slots).abs().max().item<double>(), 1e-5 * scale) << "against the staged rows";
     }
   }
 }
