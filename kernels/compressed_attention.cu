@@ -520,15 +520,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
   const int full_step_pos = Cfg::kThreads / full_span, full_step_col = Cfg::kThreads - full_step_pos * full_span;
   const int full_pos0 = static_cast<int>(threadIdx.x) / full_span,
             full_col0 = static_cast<int>(threadIdx.x) - full_pos0 * full_span;
-  if (tiles > 0) {
-    stage(0);
-    mma::CpAsyncCommit();
-  }
-  for (int tile = 0; tile < tiles; ++tile) {
-    mma::CpAsyncWaitAll();
-    __syncthreads();  // this tile landed for everyone; everyone is done with the other buffer
-    if (tile + 1 < tiles) stage(tile + 1);
-    mma::CpAsyncCommit();
+  mma::ForEachStagedTile(tiles, stage, [&](int tile) {
     const int key0 = tile * kN;
     const uint32_t kbuf = smem_base + (tile & 1) * kStageBytes;
     if (active) {
@@ -647,7 +639,7 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
       carried = sb_hi + 1 - sb_next;
       sb_end = sb_next;
     }
-  }
+  });
   if (kImportance && zero_tail) {
     // Selection blocks no visible compressed block overlaps.
     const int ncol = NS - sb_end;
@@ -671,9 +663,9 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
 // memory and the group's heads summed after a barrier every tile) that drops the staging,
 // the per-tile barrier and summation walk, and 1 - 1/kM of the map's shuffles, selects and
 // stores; Q stays in registers (kM D / 4 of them). ncu, H200, 64k D64 12:2 (kM = 3): 1.21 ->
-// 0.985 ms, 725 M -> 316 M warp instructions; it now waits on latency (16 warps an SM, the
-// register limit: 128 at four CTAs, no spill; XU pipe 45% busy). Measured and not kept: five
-// CTAs (96 registers, 36 bytes spilled) 1.01 ms, four n8 tiles' scores at a time 0.994 ms.
+// 0.984 ms, 725 M -> 310 M warp instructions; it now waits on latency (16 warps an SM: four
+// CTAs' budget of 128 registers, 124 used, no spill; XU pipe 45% busy). Measured and not kept:
+// five CTAs (96 registers, 36 bytes spilled) 1.01 ms, four n8 tiles' scores at a time 0.994 ms.
 constexpr int kMaxLaneTiles = 4;
 template <int D>
 struct CmpLaneImpCfg {
@@ -731,15 +723,7 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
   };
   float* const imp_row = importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
-  if (tiles > 0) {
-    stage(0);
-    mma::CpAsyncCommit();
-  }
-  for (int tile = 0; tile < tiles; ++tile) {
-    mma::CpAsyncWaitAll();
-    __syncthreads();  // this tile landed for everyone; everyone is done with the other buffer
-    if (tile + 1 < tiles) stage(tile + 1);
-    mma::CpAsyncCommit();
+  mma::ForEachStagedTile(tiles, stage, [&](int tile) {
     const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
     const uint32_t kbuf = smem_base + (tile & 1) * Cfg::kTileBytes;
     const bool masked = key0 + kN > vis_min;  // CTA-uniform: only a CTA's last tiles
@@ -794,7 +778,7 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
         }
       }
     }
-  }
+  });
   // The last tile's spill (column kBlocksPerTile past its first block), then the tail.
   const int spill_block = tiles * kBlocksPerTile;
   if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
