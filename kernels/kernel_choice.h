@@ -82,14 +82,13 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // forced kDense fails on them). The shared-memory importance pass maps P onto selection
 // blocks as a product with the overlap matrix W, or, in the paper's geometry (l = 2d,
 // l' = 4d), with two shuffles per n8 tile (QuadMapRow; the kernels first add the heads of a
-// position that a lane holds, two or four, so they need an even head count per group; an
-// odd one takes the product); kProduct forces the product there too (tests, A/B timing).
+// position that a lane holds: all of them at head_dim 64 with up to 8 per group
+// (CmpImportanceLaneKernel), else two or four with the lanes' rows staged in shared memory, so
+// they need an even head count per group; an odd one takes the product); kProduct forces the
+// product there too, kSlots the staged rows where the all-heads kernel would run (tests, A/B
+// timing).
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
-  // The importance's map onto selection blocks: kAuto all of a position's heads in one lane
-  // (CmpImportanceLaneKernel) where the quad map applies at head_dim 64 with an even head count
-  // per group up to 8, else the quad map of a lane's two or four heads with X rows staged in
-  // shared memory (kSlots forces that one there), else the W product (kProduct forces it).
   enum class Map { kAuto, kProduct, kSlots };
   // Our backward's dK/dV (bf16/fp16; dQ stays on the query-side kernel): kSmem the
   // shared-memory mma.sync kernel, kWgmma the selected branch's warpgroup-MMA kernel
