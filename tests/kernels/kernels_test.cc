@@ -190,6 +190,11 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
     c.partial_bytes = partial_bytes;
     return c;
   };
+  // The same choice with its work items launched in position order.
+  const auto in_position_order = [](Choice c) {
+    c.order = Choice::Order::kPosition;
+    return c;
+  };
   using Dq = Choice::Dq;
   const std::vector<Path> paths = {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
@@ -230,36 +235,16 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"dq fused, dkdv wgmma, 24 queries per item", make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24, Dq::kFused),
        true, false, true},
       {"dq fused, dkdv wgmma, position order, 24 queries per item",
-       [&] {
-         Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24, Dq::kFused);
-         c.order = Choice::Order::kPosition;
-         return c;
-       }(),
-       true, false, true},
+       in_position_order(make(Choice::Fwd::kAuto, Choice::DkDv::kWgmma, 24, Dq::kFused)), true, false, true},
       // Work items launched in position order (an indirection through the sorted item list)
       // for the block forward and dK/dV, with short slices so the order has many items to
       // permute.
       {"fwd blocks, position order, 24 queries per item",
-       [&] {
-         Choice c = make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24);
-         c.order = Choice::Order::kPosition;
-         return c;
-       }(),
-       true, false},
+       in_position_order(make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24)), true, false},
       {"dkdv position order, 24 queries per item",
-       [&] {
-         Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24);
-         c.order = Choice::Order::kPosition;
-         return c;
-       }(),
-       false, false},
+       in_position_order(make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24)), false, false},
       {"dq fused, position order, 24 queries per item",
-       [&] {
-         Choice c = make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused);
-         c.order = Choice::Order::kPosition;
-         return c;
-       }(),
-       true, false}};
+       in_position_order(make(Choice::Fwd::kAuto, Choice::DkDv::kAuto, 24, Dq::kFused)), true, false}};
   const Case c = GetParam();
   for (const Path& path : paths) {
     if (path.tensor_cores_only && c.dtype == torch::kFloat) continue;
