@@ -713,21 +713,15 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
       const int64_t N = NumCmpBlocks(T, geo);
       const auto q = torch::randn({1, T, H, D}, opts);
       const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
-      const auto importance = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
-      Choice product_choice;
-      product_choice.map = Choice::Map::kProduct;
-      torch::Tensor product;
-      {
-        const cuda::detail::ScopedCompressedKernelChoice force(product_choice);
-        product = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
-      }
-      Choice slots_choice;
-      slots_choice.map = Choice::Map::kSlots;
-      torch::Tensor slots;
-      {
-        const cuda::detail::ScopedCompressedKernelChoice force(slots_choice);
-        slots = cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
-      }
+      const auto importance_under = [&](Choice::Map map) {
+        Choice choice;
+        choice.map = map;
+        const cuda::detail::ScopedCompressedKernelChoice force(choice);
+        return cuda::CompressedAttention(q, k, v, geo).importance.to(torch::kDouble);
+      };
+      const auto importance = importance_under(Choice::Map::kAuto);
+      const auto product = importance_under(Choice::Map::kProduct);
+      const auto slots = importance_under(Choice::Map::kSlots);
       const auto ref =
           CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), geo);
       const auto want = ImportanceReference(ref.probs, G, geo).to(torch::kDouble);
