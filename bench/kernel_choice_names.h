@@ -48,7 +48,7 @@ constexpr std::pair<const char*, GemmChoice::Algo> kGemmNames[] = {
     {"auto", GemmChoice::Algo::kAuto}, {"cublas", GemmChoice::Algo::kCublas}, {"tuned", GemmChoice::Algo::kTuned}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {
     {"auto", CompressedChoice::Map::kAuto}, {"product", CompressedChoice::Map::kProduct},
-    {"slots", CompressedChoice::Map::kSlots}};
+    {"slots", CompressedChoice::Map::kSlots}, {"lane-sync", CompressedChoice::Map::kLaneSync}};
 constexpr std::pair<const char*, CompressedChoice::KeySide> kCmpKeySideNames[] = {
     {"auto", CompressedChoice::KeySide::kAuto}, {"smem", CompressedChoice::KeySide::kSmem},
     {"wgmma", CompressedChoice::KeySide::kWgmma}};

@@ -667,6 +667,33 @@ __global__ void __launch_bounds__(CmpSmemCfg<D, CmpTilesPerWarp<D, kImportance>(
 // CTAs' budget of 128 registers, 124 used, no spill; XU pipe 45% busy). Measured and not kept:
 // five CTAs (96 registers, 36 bytes spilled) 1.01 ms, four n8 tiles' scores at a time 0.994 ms.
 constexpr int kMaxLaneTiles = 4;
+
+// The lane importance kernels' stores of a key tile's map: lanes 0 and 2 of each quad hold the
+// position's selection blocks sb_lo + 2j + c / 2 (QuadMapRowTo's columns).
+template <int kNt>
+__device__ __forceinline__ void StoreLaneColumns(const float (&xv)[kNt], float* imp_row, int sb_lo, int NS,
+                                                 bool valid, int c) {
+  if (!valid || (c & 1) != 0) return;
+  float* const dst = imp_row + sb_lo + (c >> 1);
+  if (sb_lo + 2 * kNt <= NS) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) dst[2 * j] = xv[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) {
+      if (sb_lo + 2 * j + (c >> 1) < NS) dst[2 * j] = xv[j];
+    }
+  }
+}
+// After the last key tile: lane 3's spill into the block past it, then (zero_tail) zeros up to NS.
+__device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, float spill, int NS, bool valid,
+                                              int c, bool zero_tail) {
+  if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
+  if (valid && zero_tail) {
+    for (int sb = spill_block + 1 + c; sb < NS; sb += 4) imp_row[sb] = 0.f;
+  }
+}
+
 template <int D>
 struct CmpLaneImpCfg {
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
@@ -766,25 +793,130 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
           return pairs[n % kScoreGroup];
         },
         [&](int n, int, float value) { xv[n] = value; }, /*d: unused for 2 d P*/ 0.f, lane, spill);
-    if (valid && (c & 1) == 0) {
-      float* const dst = imp_row + sb_lo + (c >> 1);
-      if (sb_lo + 2 * kNt <= NS) {
-#pragma unroll
-        for (int n = 0; n < kNt; ++n) dst[2 * n] = xv[n];
-      } else {
-#pragma unroll
-        for (int n = 0; n < kNt; ++n) {
-          if (sb_lo + 2 * n + (c >> 1) < NS) dst[2 * n] = xv[n];
-        }
-      }
-    }
+    StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
   });
-  // The last tile's spill (column kBlocksPerTile past its first block), then the tail.
-  const int spill_block = tiles * kBlocksPerTile;
-  if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
-  if (valid && zero_tail) {
-    for (int sb = spill_block + 1 + c; sb < NS; sb += 4) imp_row[sb] = 0.f;
+  FinishLaneRow(imp_row, tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
+}
+
+// CmpImportanceLaneKernel on warpgroup MMAs (sm_90a, head_dim 64): the same lanes, rows and map,
+// one warpgroup (32 positions) per CTA, and S = Q K^T of head pair m (kM of them) as one m64n64
+// product per k16 step with both operands in shared memory. Q's kM tiles are staged once per CTA,
+// row r of tile m holding position 8 (r / 16) + r % 8, head 2 m + (r / 8) % 2 (the accumulator
+// layout then puts each lane's rows where CmpImportanceLaneKernel has them), so Q takes no
+// registers there (48 at kM = 3 held that kernel at 16 warps an SM, latency-bound), and a head
+// pair's scores are 4 instructions a key tile instead of 32 HMMA and a share of 16 ldmatrix.
+// ncu, H200, 64k D64 12:2 (kM = 3): 0.976 ms on mma.sync -> 0.924-0.929 ms, 310 M -> 281 M warp
+// instructions, 94 registers, five CTAs an SM; still latency-bound (issue 33% active, XU 48%).
+// Not kept: head pair m + 1's product issued before pair m's exponentials (two accumulator
+// sets, 126 registers, four CTAs): 0.932 ms.
+struct CmpLaneWgmmaCfg {
+  static constexpr int kD = 64, kThreads = wgmma::kWarpgroupThreads, kPositions = 32, kN = 64;
+  static constexpr int kTileBytes = 64 * kD * 2;  // a Q tile (64 rows) or a K tile (64 keys): 8 KB
+  // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB (the swizzle).
+  static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
+  static constexpr int Smem(int kM) { return kAlignSlack + (2 + kM) * kTileBytes; }
+};
+
+template <typename scalar_t, int kM>
+__global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
+    CmpImportanceLaneWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                                 const float* __restrict__ lse, float* __restrict__ importance, Shape s, int NS,
+                                 int cmp_block, int cmp_stride, float scale_log2, bool zero_tail) {
+  using Cfg = CmpLaneWgmmaCfg;
+  constexpr int D = Cfg::kD, kN = Cfg::kN, kNt = kN / 8;
+  constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 lane_wgmma_smem[];  // [slack][2 K tiles][kM Q tiles]
+  const uint32_t raw = mma::SmemAddr(lane_wgmma_smem);
+  const uint32_t k_tiles = (raw + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
+  const uint32_t q_tiles = k_tiles + 2 * Cfg::kTileBytes;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
+  const CmpCtaRows cta(s, Cfg::kPositions);
+  const int pos = 8 * warp + (lane >> 2);
+  const bool valid = pos < cta.positions;
+  const int t = cta.t0 + (valid ? pos : 0);
+  const int vis = valid ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+  const int64_t head0 = (static_cast<int64_t>(cta.b) * s.T + t) * s.H + cta.grp * s.hq();
+  float row_lse[kM][2];  // lse - log2(2d): P arrives as 2 d P (QuadMapRow's kTimes2d)
+  const float lse_shift = log2f(2.f * static_cast<float>(cmp_stride));
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_lse[m][h] = valid ? lse[head0 + 2 * m + h] - lse_shift : INFINITY;
   }
+  const int vis_min = CmpVisible(cta.t0, s.Tk, cmp_block, cmp_stride);
+  const int vis_end = CmpVisible(cta.t0 + cta.positions - 1, s.Tk, cmp_block, cmp_stride);
+  const int tiles = (vis_end + kN - 1) / kN;
+  // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows).
+  for (int i = static_cast<int>(threadIdx.x); tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
+    const int m = i / (64 * (D / 8)), r = (i / (D / 8)) % 64, chunk = i % (D / 8);
+    const int p = 8 * (r / 16) + r % 8, head = 2 * m + (r / 8) % 2;
+    const bool ok = p < cta.positions;
+    const scalar_t* src =
+        q + ((static_cast<int64_t>(cta.b) * s.T + cta.t0 + (ok ? p : 0)) * s.H + cta.grp * s.hq() + head) * D +
+        chunk * 8;
+    mma::CpAsync16(q_tiles + m * Cfg::kTileBytes + mma::SwizzledOffset<D>(r, chunk), src, ok);
+  }
+  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
+  const scalar_t* k_base = k + KeyOffset(s, cta.b, 0, cta.grp);
+  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
+  const auto stage = [&](int tile) {
+    const int key0 = tile * kN;
+    copy_plan.Issue(k_tiles + (tile & 1) * Cfg::kTileBytes, k_base + key0 * kv_stride, min(kN, vis_end - key0));
+  };
+  float* const imp_row = importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
+  const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
+  float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
+  mma::ForEachStagedTile(
+      tiles, stage,
+      [&](int tile) {
+        const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
+        const uint32_t k_off = (tile & 1) * Cfg::kTileBytes;
+        // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
+        float even[kNt], odd[kNt];
+#pragma unroll
+        for (int m = 0; m < kM; ++m) {
+          float sc[kNt][4];  // the first step overwrites: no zeroing
+          wgmma::Fence();
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+            const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + wgmma::kKMajorStepBytes * kk);
+            const uint64_t b = wgmma::Advance(k_desc, k_off + wgmma::kKMajorStepBytes * kk);
+            if (kk == 0) {
+              wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(sc, a, b);
+            } else {
+              wgmma::MmaM64N64K16Smem<kBf16, false, false>(sc, a, b);
+            }
+          }
+          wgmma::Commit();
+          wgmma::Wait<0>();
+          wgmma::FenceRegisters(sc);
+#pragma unroll
+          for (int j = 0; j < kNt; ++j) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) p[e] = mma::Exp2(sc[j][e] * scale_log2 - row_lse[m][e >> 1]);
+            // From the first head pair: 0 + x is not x for -0, so a sum from 0 costs an add.
+            even[j] = m == 0 ? p[0] + p[2] : even[j] + (p[0] + p[2]);
+            odd[j] = m == 0 ? p[1] + p[3] : odd[j] + (p[1] + p[3]);
+          }
+        }
+        if (key0 + kN > vis_min) {  // CTA-uniform: the keys past the position's last visible block
+#pragma unroll
+          for (int j = 0; j < kNt; ++j) {
+            const int key = key0 + 8 * j + 2 * c;
+            even[j] = key < vis ? even[j] : 0.f;
+            odd[j] = key + 1 < vis ? odd[j] : 0.f;
+          }
+        }
+        float xv[kNt];
+        QuadMapRowTo<kNt, true>([&](int j) { return make_float2(even[j], odd[j]); },
+                                [&](int j, int, float value) { xv[j] = value; }, /*d: unused for 2 d P*/ 0.f,
+                                lane, spill);
+        StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
+      },
+      [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
+  FinishLaneRow(imp_row, tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
 // The forward and the importance in one pass, where every compressed block fits two kN-key
@@ -1553,7 +1685,9 @@ void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tens
 // 64 (Q's fragments in registers), the quad map's geometry, an even head count per group up to
 // 2 kMaxLaneTiles. The caller has chosen the shared-memory path.
 bool UseLaneImportance(const Shape& s, const Geo& g) {
-  return s.D == 64 && UseQuadMap(g) && compressed_map.load() == CompressedKernelChoice::Map::kAuto &&
+  const auto map = compressed_map.load();
+  return s.D == 64 && UseQuadMap(g) &&
+         (map == CompressedKernelChoice::Map::kAuto || map == CompressedKernelChoice::Map::kLaneSync) &&
          s.hq() % 2 == 0 && s.hq() <= 2 * kMaxLaneTiles;
 }
 
@@ -1567,6 +1701,18 @@ void LaunchLaneImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at
       LaunchLaneImportance<scalar_t, D, kM + 1>(q, k_cmp, lse, importance, s, g, NS, scale_log2, zero_tail);
       return;
     }
+  }
+  if (compressed_map.load() == CompressedKernelChoice::Map::kAuto && WgmmaRunsHere()) {
+    using Cfg = CmpLaneWgmmaCfg;
+    const QueryGrid grid(s, Cfg::kPositions);
+    if (grid.Empty()) return;
+    const auto kernel = CmpImportanceLaneWgmmaKernel<scalar_t, kM>;
+    AllowSmem(kernel, Cfg::Smem(kM));
+    kernel<<<grid.grid, Cfg::kThreads, Cfg::Smem(kM), at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(),
+        s, NS, g.cmp_block, g.cmp_stride, scale_log2, zero_tail);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
   }
   using Cfg = CmpLaneImpCfg<D>;
   const QueryGrid grid(s, Cfg::kPositions);

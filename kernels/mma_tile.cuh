@@ -195,20 +195,28 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 // Tiles [0, tiles) through two shared-memory buffers: stage(t) issues tile t's cp.async copy,
 // body(t) works on it while tile t + 1's copy is in flight. The barrier before each tile
-// publishes it to the whole CTA and tells everyone the other buffer is free again.
-template <typename Stage, typename Body>
-__device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body) {
+// publishes it to the whole CTA and tells everyone the other buffer is free again; landed()
+// runs between this thread's copies arriving and that barrier (a proxy fence, where the
+// tensor cores read the tile: wgmma.cuh).
+template <typename Stage, typename Body, typename Landed>
+__device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body,
+                                                  const Landed& landed) {
   if (tiles > 0) {
     stage(0);
     CpAsyncCommit();
   }
   for (int tile = 0; tile < tiles; ++tile) {
     CpAsyncWaitAll();
+    landed();
     __syncthreads();
     if (tile + 1 < tiles) stage(tile + 1);
     CpAsyncCommit();
     body(tile);
   }
+}
+template <typename Stage, typename Body>
+__device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body) {
+  ForEachStagedTile(tiles, stage, body, [] {});
 }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
