@@ -694,6 +694,39 @@ __device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, f
   }
 }
 
+// A lane importance kernel's walk over compressed keys: kN-key tiles up to the CTA's last
+// position's visible end, copied with cp.async into two buffers of kN D elements at `buffers`
+// (rows past the end zero-filled), and the lane's position's importance row.
+template <typename scalar_t, int D, int kN, int kThreads>
+struct LaneKeyTiles {
+  static constexpr uint32_t kTileBytes = kN * D * 2;
+  int vis_min, vis_end, tiles;  // the CTA's first and last positions' visible keys; tiles to walk
+  int64_t kv_stride;
+  const scalar_t* k_base;
+  mma::TileCopyPlan<D, kN, kThreads> plan;
+  uint32_t buffers;
+  __device__ LaneKeyTiles(const scalar_t* k, const Shape& s, const CmpCtaRows& cta, int cmp_block, int cmp_stride,
+                          uint32_t buffers_)
+      : vis_min(CmpVisible(cta.t0, s.Tk, cmp_block, cmp_stride)),
+        vis_end(CmpVisible(cta.t0 + cta.positions - 1, s.Tk, cmp_block, cmp_stride)),
+        tiles((vis_end + kN - 1) / kN),
+        kv_stride(static_cast<int64_t>(s.G) * D),
+        k_base(k + KeyOffset(s, cta.b, 0, cta.grp)),
+        plan(static_cast<int>(kv_stride)),
+        buffers(buffers_) {}
+  // Tile `tile`'s copy (the caller commits) and its buffer.
+  __device__ void Stage(int tile) const {
+    const int key0 = tile * kN;
+    plan.Issue(Buffer(tile), k_base + key0 * kv_stride, min(kN, vis_end - key0));
+  }
+  __device__ uint32_t Buffer(int tile) const { return buffers + (tile & 1) * kTileBytes; }
+};
+// Position t's importance row of the CTA's (b, group): NS selection blocks.
+__device__ __forceinline__ float* LaneImportanceRow(float* importance, const Shape& s, const CmpCtaRows& cta, int t,
+                                                    int NS) {
+  return importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
+}
+
 template <int D>
 struct CmpLaneImpCfg {
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
@@ -738,22 +771,13 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
   uint32_t qf[kM][D / 16][4];
   smem_fwd::LoadRowFragments<D, kM>(qf, q, row_index, row_valid, lane);
 
-  const int vis_min = CmpVisible(cta.t0, s.Tk, cmp_block, cmp_stride);
-  const int vis_end = CmpVisible(cta.t0 + cta.positions - 1, s.Tk, cmp_block, cmp_stride);
-  const int tiles = (vis_end + kN - 1) / kN;
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
-  const scalar_t* k_base = k + KeyOffset(s, cta.b, 0, cta.grp);
-  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
-  const auto stage = [&](int tile) {
-    const int key0 = tile * kN;
-    copy_plan.Issue(smem_base + (tile & 1) * Cfg::kTileBytes, k_base + key0 * kv_stride, min(kN, vis_end - key0));
-  };
-  float* const imp_row = importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
+  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads> keys(k, s, cta, cmp_block, cmp_stride, smem_base);
+  float* const imp_row = LaneImportanceRow(importance, s, cta, t, NS);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
-  mma::ForEachStagedTile(tiles, stage, [&](int tile) {
+  mma::ForEachStagedTile(keys.tiles, [&](int tile) { keys.Stage(tile); }, [&](int tile) {
     const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
-    const uint32_t kbuf = smem_base + (tile & 1) * Cfg::kTileBytes;
-    const bool masked = key0 + kN > vis_min;  // CTA-uniform: only a CTA's last tiles
+    const uint32_t kbuf = keys.Buffer(tile);
+    const bool masked = key0 + kN > keys.vis_min;  // CTA-uniform: only a CTA's last tiles
     // Scores of kScoreGroup n8 tiles at a time (independent MMA chains in flight), summed over
     // the lane's rows, then mapped; the lane's columns 2n + c / 2 are stored after the map.
     float2 pairs[kScoreGroup];
@@ -795,7 +819,7 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
         [&](int n, int, float value) { xv[n] = value; }, /*d: unused for 2 d P*/ 0.f, lane, spill);
     StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
   });
-  FinishLaneRow(imp_row, tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
+  FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
 // CmpImportanceLaneKernel on warpgroup MMAs (sm_90a, head_dim 64): the same lanes, rows and map,
@@ -844,11 +868,9 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lse[m][h] = valid ? lse[head0 + 2 * m + h] - lse_shift : INFINITY;
   }
-  const int vis_min = CmpVisible(cta.t0, s.Tk, cmp_block, cmp_stride);
-  const int vis_end = CmpVisible(cta.t0 + cta.positions - 1, s.Tk, cmp_block, cmp_stride);
-  const int tiles = (vis_end + kN - 1) / kN;
+  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads> keys(k, s, cta, cmp_block, cmp_stride, k_tiles);
   // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows).
-  for (int i = static_cast<int>(threadIdx.x); tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
+  for (int i = static_cast<int>(threadIdx.x); keys.tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
     const int m = i / (64 * (D / 8)), r = (i / (D / 8)) % 64, chunk = i % (D / 8);
     const int p = 8 * (r / 16) + r % 8, head = 2 * m + (r / 8) % 2;
     const bool ok = p < cta.positions;
@@ -857,18 +879,11 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
         chunk * 8;
     mma::CpAsync16(q_tiles + m * Cfg::kTileBytes + mma::SwizzledOffset<D>(r, chunk), src, ok);
   }
-  const int64_t kv_stride = static_cast<int64_t>(s.G) * D;
-  const scalar_t* k_base = k + KeyOffset(s, cta.b, 0, cta.grp);
-  const mma::TileCopyPlan<D, kN, Cfg::kThreads> copy_plan(static_cast<int>(kv_stride));
-  const auto stage = [&](int tile) {
-    const int key0 = tile * kN;
-    copy_plan.Issue(k_tiles + (tile & 1) * Cfg::kTileBytes, k_base + key0 * kv_stride, min(kN, vis_end - key0));
-  };
-  float* const imp_row = importance + ((static_cast<int64_t>(cta.b) * s.T + t) * s.G + cta.grp) * NS;
+  float* const imp_row = LaneImportanceRow(importance, s, cta, t, NS);
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
   mma::ForEachStagedTile(
-      tiles, stage,
+      keys.tiles, [&](int tile) { keys.Stage(tile); },
       [&](int tile) {
         const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
         const uint32_t k_off = (tile & 1) * Cfg::kTileBytes;
@@ -901,7 +916,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
             odd[j] = m == 0 ? p[1] + p[3] : odd[j] + (p[1] + p[3]);
           }
         }
-        if (key0 + kN > vis_min) {  // CTA-uniform: the keys past the position's last visible block
+        if (key0 + kN > keys.vis_min) {  // CTA-uniform: the keys past the position's last visible block
 #pragma unroll
           for (int j = 0; j < kNt; ++j) {
             const int key = key0 + 8 * j + 2 * c;
@@ -916,7 +931,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
         StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
       },
       [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
-  FinishLaneRow(imp_row, tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
+  FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
 // The forward and the importance in one pass, where every compressed block fits two kN-key
