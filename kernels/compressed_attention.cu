@@ -694,6 +694,23 @@ __device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, f
   }
 }
 
+// A lane importance kernel's thread: lane (g, c) of warp w holds position 8 w + g of its CTA
+// (t; the CTA's first position where that is past its end, then not valid) and the compressed
+// keys that position sees (vis; 0 where not valid).
+struct LanePosition {
+  CmpCtaRows cta;
+  int lane;
+  bool valid;
+  int t, vis;
+  __device__ LanePosition(const Shape& s, int positions_per_cta, int cmp_block, int cmp_stride)
+      : cta(s, positions_per_cta), lane(static_cast<int>(threadIdx.x) & 31) {
+    const int pos = 8 * (static_cast<int>(threadIdx.x) >> 5) + (lane >> 2);
+    valid = pos < cta.positions;
+    t = cta.t0 + (valid ? pos : 0);
+    vis = valid ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+  }
+};
+
 // A lane importance kernel's walk over compressed keys: kN-key tiles up to the CTA's last
 // position's visible end, copied with cp.async into two buffers of kN D elements at `buffers`
 // (rows past the end zero-filled), and the lane's position's importance row.
@@ -749,12 +766,10 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float smem[];
   const uint32_t smem_base = mma::SmemAddr(smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
-  const CmpCtaRows cta(s, Cfg::kPositions);
-  const int pos = 8 * warp + (lane >> 2);
-  const bool valid = pos < cta.positions;
-  const int t = cta.t0 + (valid ? pos : 0);
-  const int vis = valid ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+  const LanePosition lp(s, Cfg::kPositions, cmp_block, cmp_stride);
+  const CmpCtaRows& cta = lp.cta;
+  const int lane = lp.lane, c = lane & 3, t = lp.t, vis = lp.vis;
+  const bool valid = lp.valid;
   int64_t row_index[kM][2];
   bool row_valid[kM][2];
   float row_lse[kM][2];  // lse - log2(2d): P arrives as 2 d P (QuadMapRow's kTimes2d)
@@ -854,12 +869,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
   const uint32_t raw = mma::SmemAddr(lane_wgmma_smem);
   const uint32_t k_tiles = (raw + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
   const uint32_t q_tiles = k_tiles + 2 * Cfg::kTileBytes;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
-  const CmpCtaRows cta(s, Cfg::kPositions);
-  const int pos = 8 * warp + (lane >> 2);
-  const bool valid = pos < cta.positions;
-  const int t = cta.t0 + (valid ? pos : 0);
-  const int vis = valid ? CmpVisible(t, s.Tk, cmp_block, cmp_stride) : 0;
+  const LanePosition lp(s, Cfg::kPositions, cmp_block, cmp_stride);
+  const CmpCtaRows& cta = lp.cta;
+  const int lane = lp.lane, c = lane & 3, t = lp.t, vis = lp.vis;
+  const bool valid = lp.valid;
   const int64_t head0 = (static_cast<int64_t>(cta.b) * s.T + t) * s.H + cta.grp * s.hq();
   float row_lse[kM][2];  // lse - log2(2d): P arrives as 2 d P (QuadMapRow's kTimes2d)
   const float lse_shift = log2f(2.f * static_cast<float>(cmp_stride));
