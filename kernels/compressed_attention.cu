@@ -1709,8 +1709,9 @@ void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the importance runs on CmpImportanceLaneKernel (CompressedKernelChoice::Map): head_dim
-// 64 (Q's fragments in registers), the quad map's geometry, an even head count per group up to
+// Whether the importance runs on a lane kernel (CompressedKernelChoice::Map: kAuto, or kLaneSync
+// for the mma.sync one): head_dim 64 (Q's fragments in registers, or its tiles in shared memory
+// on warpgroup MMAs), the quad map's geometry, an even head count per group up to
 // 2 kMaxLaneTiles. The caller has chosen the shared-memory path.
 bool UseLaneImportance(const Shape& s, const Geo& g) {
   const auto map = compressed_map.load();
@@ -1719,7 +1720,8 @@ bool UseLaneImportance(const Shape& s, const Geo& g) {
          s.hq() % 2 == 0 && s.hq() <= 2 * kMaxLaneTiles;
 }
 
-// CmpImportanceLaneKernel with kM = hq / 2 m16 tiles a lane (from kM up to kMaxLaneTiles).
+// CmpImportanceLaneWgmmaKernel where warpgroup MMAs run and Map is kAuto, else
+// CmpImportanceLaneKernel, with kM = hq / 2 head pairs a lane (from kM up to kMaxLaneTiles).
 template <typename scalar_t, int D, int kM>
 void LaunchLaneImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
                           at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
