@@ -16,7 +16,8 @@
 // bf16/fp16 inputs run on tensor cores. Default: FlashAttention-2-style kernels with
 // shared-memory tiles (CmpSmemKernel forward / importance, CmpSmemDqKernel,
 // CmpSmemDkDvKernel; the importance at head_dim 64 with an even head count per group up to 8
-// on CmpImportanceLaneKernel, all of a position's heads in one lane): 128 flattened
+// on CmpImportanceLaneKernel, all of a position's heads in one lane, or on sm_90 its
+// warpgroup-MMA twin CmpImportanceLaneWgmmaKernel): 128 flattened
 // (position, head) rows per query-side CTA, each 64-block
 // K/V tile copied once per CTA with cp.async (double buffered) and read by all warps with
 // ldmatrix. The earlier register-only kernels (CmpQueryMmaKernel, CmpImportanceMmaKernel,
@@ -899,7 +900,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
       keys.tiles, [&](int tile) { keys.Stage(tile); },
       [&](int tile) {
         const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
-        const uint32_t k_off = (tile & 1) * Cfg::kTileBytes;
+        const uint32_t k_off = keys.Buffer(tile) - k_tiles;
         // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
         float even[kNt], odd[kNt];
 #pragma unroll
