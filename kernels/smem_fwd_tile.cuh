@@ -288,12 +288,12 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
   const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
   const bool active = 16 * kM * warp < rows;  // idle warps still copy and meet the barriers
-  walk.Prepare(reinterpret_cast<unsigned char*>(tiled_smem) + 2 * Cfg::kStageBytes, s, b, grp, t0, positions);
-
-  // Invalid rows have Q = 0 and are never stored, so what they attend does not matter.
+  // Invalid rows have Q = 0 and are never stored, so what they attend does not matter. Q's
+  // loads go out before the walk's set-up, whose barriers they then overlap.
   const LaneRows<kM> lr(s, b, grp, t0, rows, warp, lane);
   uint32_t qf[kM][D / 16][4];
   LoadRowFragments<D, kM>(qf, q, lr.index, lr.valid, lane);
+  walk.Prepare(reinterpret_cast<unsigned char*>(tiled_smem) + 2 * Cfg::kStageBytes, s, b, grp, t0, positions);
   State<D, kM> st;
   st.Init();
 
@@ -374,11 +374,11 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
   const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int positions = min(positions_per_cta, s.T - t0), rows = positions * hq;
   const bool active = 64 * (warp / 4) < rows;  // warpgroup-uniform
-  walk.Prepare(walk_smem, s, b, grp, t0, positions);
-
+  // Q's loads first: they overlap the walk's set-up and its barriers.
   const LaneRows<1> lr(s, b, grp, t0, rows, warp, lane);
   uint32_t qf[1][D / 16][4];
   LoadRowFragments<D, 1>(qf, q, lr.index, lr.valid, lane);
+  walk.Prepare(walk_smem, s, b, grp, t0, positions);
   State<D, 1> st;
   st.Init();
 
