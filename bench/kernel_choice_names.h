@@ -35,6 +35,9 @@ constexpr std::pair<const char*, SelectedChoice::Order> kSlcOrderNames[] = {
 constexpr std::pair<const char*, SelectedChoice::Combine> kSlcCombineNames[] = {
     {"auto", SelectedChoice::Combine::kAuto}, {"one", SelectedChoice::Combine::kOne},
     {"batch4", SelectedChoice::Combine::kBatch4}};
+constexpr std::pair<const char*, SelectedChoice::Local> kSlcLocalNames[] = {
+    {"auto", SelectedChoice::Local::kAuto}, {"blocks", SelectedChoice::Local::kInBlocks},
+    {"tiled", SelectedChoice::Local::kTiledPass}};
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};

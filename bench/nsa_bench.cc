@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--slc-combine auto|one|batch4] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--slc-combine auto|one|batch4] [--slc-local auto|blocks|tiled] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 //             [--tiled-mma auto|sync|wgmma|wgmma1]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
@@ -15,7 +15,9 @@
 // --slc-fwd / --slc-dkdv / --slc-dq / --slc-qpc force the selected branch's forward/dQ kernel,
 // dK/dV kernel (staged register budgets rows x CTAs per SM are D=64 builds), where dQ comes
 // from (the query-side kernel, or fused into the staged dK/dV kernel) and queries per dK/dV
-// work item (0 = auto), and the launch order of the key-centric work items, through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
+// work item (0 = auto), the launch order of the key-centric work items, and --slc-combine /
+// --slc-local how the key-centric forward combines its partials and where it computes the
+// local blocks, through SelectedKernelChoice (kernels/kernel_choice.h), for A/B runs
 // in one binary; --cmp-kernel own / registers / dense force the compressed branch onto our
 // kernels at every length, our register-only kernels, or cuDNN over packed query rows
 // (CompressedKernelChoice); --win-fwd flash runs the window branch's forward on
@@ -79,6 +81,7 @@ using nsad::bench::kSlcDqNames;
 using nsad::bench::kSlcFwdNames;
 using nsad::bench::kSlcOrderNames;
 using nsad::bench::kSlcCombineNames;
+using nsad::bench::kSlcLocalNames;
 using nsad::bench::kWinBwdNames;
 using nsad::bench::kWinFwdNames;
 
@@ -300,6 +303,8 @@ int main(int argc, char** argv) {
       if (!ParseChoiceFlag("--slc-order", kSlcOrderNames, argv[i + 1], choice.order)) return 2;
     } else if (a == "--slc-combine") {
       if (!ParseChoiceFlag("--slc-combine", kSlcCombineNames, argv[i + 1], choice.combine)) return 2;
+    } else if (a == "--slc-local") {
+      if (!ParseChoiceFlag("--slc-local", kSlcLocalNames, argv[i + 1], choice.local)) return 2;
     } else if (a == "--slc-qpc") choice.queries_per_item = std::atoi(argv[i + 1]);
     else if (a == "--win-qpc") win_choice.queries_per_item = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "unknown flag %s\n", a.c_str()); return 2; }
@@ -324,9 +329,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   nsad::nsa::cuda::detail::SetSelectedKernelChoiceForTesting(choice);
-  std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, item order %s, combine %s, queries per dkdv item %d%s\n",
+  std::printf("# selected kernels: fwd %s, dkdv %s, dq %s, item order %s, combine %s, local blocks %s, queries per dkdv item %d%s\n",
               NameOf(kSlcFwdNames, choice.fwd), NameOf(kSlcDkDvNames, choice.dkdv), NameOf(kSlcDqNames, choice.dq),
               NameOf(kSlcOrderNames, choice.order), NameOf(kSlcCombineNames, choice.combine),
+              NameOf(kSlcLocalNames, choice.local),
               choice.queries_per_item,
               choice.queries_per_item == 0 ? " (auto)" : "");
   nsad::nsa::cuda::detail::SetCompressedKernelChoiceForTesting(cmp_choice);

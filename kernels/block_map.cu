@@ -29,24 +29,28 @@ int KeyBits(uint64_t max_key) {
   return bits;
 }
 
-// Each entry's segment key (S for an unused slot, or for a block its row listed in an earlier
+// Each entry's segment key (S for an unused slot, for a block its row listed in an earlier
 // slot: the selection is a set, as in the reference, so a segment holds each position at most
-// once) and its own index as the sort value. 32-bit index maths through multiply-shift
+// once, and with skip_local_of > 0 for a block local to the position) and its own index as the
+// sort value. 32-bit index maths through multiply-shift
 // division (entries < 2^31): with 64-bit divisions the kernel took 10 us per call at batch
 // 16, T=2048 on an H100, twice its memory time.
 struct EntryDividers {
   at::cuda::detail::IntDivider<uint32_t> slots, groups, positions;  // n, G, T
 };
 __global__ void SegmentKeysKernel(const int* __restrict__ block_idx, Key* __restrict__ keys,
-                                  int* __restrict__ values, uint32_t entries, EntryDividers div, int NS, Key S) {
+                                  int* __restrict__ values, uint32_t entries, EntryDividers div, int NS, Key S,
+                                  int skip_local_of) {
   for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < entries; e += gridDim.x * blockDim.x) {
     const int blk = block_idx[e];
     const auto row_slot = div.slots.divmod(e);
     // The row's earlier slots: the same cache line, read by the row's neighbours too.
     const bool repeat = RepeatsEarlierSlot(block_idx + (e - row_slot.mod), static_cast<int>(row_slot.mod));
     const auto row_g = div.groups.divmod(row_slot.div);  // row = (b T + t) G + g
-    const uint32_t b = div.positions.div(row_g.div);
-    keys[e] = blk >= 0 && !repeat ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
+    const auto b_t = div.positions.divmod(row_g.div);
+    const uint32_t b = b_t.div;
+    const bool local = skip_local_of > 0 && IsLocalBlock(blk, static_cast<int>(b_t.mod), skip_local_of);
+    keys[e] = blk >= 0 && !repeat && !local ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
     values[e] = static_cast<int>(e);
   }
 }
@@ -133,7 +137,8 @@ void ExclusiveSum(const int64_t* in, int64_t* out, int64_t count, const at::Tens
 
 }  // namespace
 
-BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order) {
+BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order,
+                        int skip_local_of) {
   TORCH_CHECK(block_idx.is_cuda() && block_idx.dim() == 4 && block_idx.scalar_type() == at::kInt &&
                   block_idx.is_contiguous(),
               "InvertBlockMap takes block_idx [B,T,G,n] int32, contiguous, on the GPU");
@@ -167,7 +172,7 @@ BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_ite
     SegmentKeysKernel<<<GridStride(entries), kThreads, 0, stream>>>(block_idx.data_ptr<int>(), key_ptr,
                                                                      values.data_ptr<int>(),
                                                                      static_cast<uint32_t>(entries), div, NS,
-                                                                     static_cast<Key>(S));
+                                                                     static_cast<Key>(S), skip_local_of);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     SortPairs(key_ptr, sorted_key_ptr, values.data_ptr<int>(), map.sorted_entry.data_ptr<int>(), entries,
               KeyBits(static_cast<uint64_t>(S)), block_idx, stream);

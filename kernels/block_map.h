@@ -24,8 +24,11 @@ struct BlockMap {
   int NS = 0, queries_per_item = 0;
 };
 
-// NS: selection blocks per sequence. Runs on the current stream, no host sync (CUDA-graph
-// capturable).
-BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order);
+// NS: selection blocks per sequence. skip_local_of > 0 leaves out the entries whose block is
+// local to their position (IsLocalBlock with selection blocks of that many keys: the forward's
+// tiled pass takes those, SelectedKernelChoice::Local); 0 keeps every entry. Runs on the
+// current stream, no host sync (CUDA-graph capturable).
+BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order,
+                        int skip_local_of = 0);
 
 }  // namespace nsad::nsa::cuda::detail

@@ -55,11 +55,19 @@ struct SelectedKernelChoice {
   // faster (H200, 64k 12:2: 553 us a call against 659 for the former one-at-a-time kernel).
   enum class Combine { kAuto, kOne, kBatch4 };
 
+  // Where the kBlocks forward computes a position's local blocks (block 0, its own and the
+  // previous one: IsLocalBlock, launch_util.cuh), which every position of a block shares: in
+  // the block kernel with the rest (kInBlocks: one partial each), or on a tiled pass over
+  // neighbouring positions (kTiledPass: the tiled forward's kernel, one partial for the three,
+  // which the combine starts from). kAuto: the measured default.
+  enum class Local { kAuto, kInBlocks, kTiledPass };
+
   Fwd fwd = Fwd::kAuto;
   DkDv dkdv = DkDv::kAuto;
   Dq dq = Dq::kAuto;
   Order order = Order::kAuto;
   Combine combine = Combine::kAuto;
+  Local local = Local::kAuto;
   // Queries per dK/dV work item (every dtype), and per work item of the kBlocks forward: 0 is
   // the measured default (256), else 1..kMaxSelectedQueriesPerItem (the kernels keep the
   // item's positions in shared memory).

@@ -260,6 +260,17 @@ __device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
   return repeat;
 }
 
+// Whether block `blk` is one of position t's local blocks: block 0, the block holding t and
+// the one before it. The selection always takes them (select_blocks.cu), and every position
+// of a block shares them, so the key-centric forward can hand them to a tiled pass over
+// neighbouring positions (SelectedKernelChoice::Local). An unused slot (-1) is not local.
+__device__ __forceinline__ bool IsLocalToBlock(int blk, int own) {  // own = t / slc_block
+  return blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
+}
+__device__ __forceinline__ bool IsLocalBlock(int blk, int t, int slc_block) {
+  return IsLocalToBlock(blk, t / slc_block);
+}
+
 // A float32 tensor of zeros written by cudaMemsetAsync: at::zeros runs a fill kernel, which
 // wrote the backward's 200 MB dQ accumulator (64k, D=64, 12 heads) at about 1.2 TB/s.
 inline at::Tensor ZeroFloats(at::IntArrayRef sizes, const at::TensorOptions& options) {

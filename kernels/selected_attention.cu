@@ -7,7 +7,8 @@
 // sequences) the forward runs over shared-memory tiles (smem_fwd::TiledFwdKernel with
 // ChosenBlocksWalk, below). Where they share few (long sequences, small groups) it is
 // key-centric instead: one partial result per selected block, combined per position
-// (selected_block_forward.cuh, UseBlockForward). Otherwise, and for the query-side dQ, two
+// (selected_block_forward.cuh, UseBlockForward; at head_dim 64 the local blocks go to a tiled
+// pass first, LocalBlocksOnTiledPass). Otherwise, and for the query-side dQ, two
 // register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
@@ -302,53 +303,83 @@ __global__ void __launch_bounds__(mma::kMmaThreads)
 }
 
 // The selected branch's walk for the tiled forward (smem_fwd::TiledFwdKernel): the union of
-// the blocks the CTA's positions chose. Prepare builds chosen[blk] in shared memory (bit p:
-// position t0 + p chose block blk); a row attends a block's keys only if its position chose
+// the blocks the CTA's positions chose. Prepare builds a mask per block in shared memory (bit
+// p: position t0 + p chose the block); a row attends a block's keys only if its position chose
 // it and the key is causal. The selection is a set here, as in the reference (a block listed
-// twice counts once).
+// twice counts once). kLocalOnly: only the positions' local blocks (IsLocalBlock), the
+// key-centric forward's tiled pass (SelectedKernelChoice::Local); the candidates are then
+// block 0 and the blocks from the one before the first position's to the last position's, so
+// the masks are a few words and the walk does not scan every block of the sequence.
+template <bool kLocalOnly>
 struct ChosenBlocksWalk {
+  // Masks of a local walk: blocks lo .. hi (hi - lo <= 32 for 32 positions, any slc_block),
+  // then block 0's when lo > 0.
+  static constexpr int kLocalMasks = 34;
   const int* block_idx;  // [B,T,G,n]
   int n, slc_block, num_blocks;
-  unsigned* chosen = nullptr;  // num_blocks words of the CTA's shared memory
+  unsigned* chosen = nullptr;  // the masks, in the CTA's shared memory
   unsigned all_rows = 0;
-  int t0 = 0;
+  int t0 = 0, lo = 0, hi = 0;  // the local walk's candidate range
 
-  static int SmemBytes(int num_blocks) { return 4 * num_blocks; }
+  static int SmemBytes(int num_blocks) { return 4 * (kLocalOnly ? kLocalMasks : num_blocks); }
+  __device__ unsigned Mask(int blk) const {
+    if constexpr (kLocalOnly) {
+      return chosen[blk >= lo ? blk - lo : kLocalMasks - 1];
+    } else {
+      return chosen[blk];
+    }
+  }
   __device__ void Prepare(void* smem, const Shape& s, int b, int grp, int first, int positions) {
     chosen = static_cast<unsigned*>(smem);
     t0 = first;
     all_rows = positions >= 32 ? 0xffffffffu : (1u << positions) - 1u;
-    for (int i = threadIdx.x; i < num_blocks; i += blockDim.x) chosen[i] = 0u;
+    if constexpr (kLocalOnly) {
+      lo = max(0, first / slc_block - 1);
+      hi = min(num_blocks - 1, (first + positions - 1) / slc_block);
+    }
+    const int masks = kLocalOnly ? kLocalMasks : num_blocks;
+    for (int i = threadIdx.x; i < masks; i += blockDim.x) chosen[i] = 0u;
     __syncthreads();
     const int* idx = block_idx + ((static_cast<int64_t>(b) * s.T + t0) * s.G + grp) * n;
     for (int i = threadIdx.x; i < positions * n; i += blockDim.x) {
       const int p = i / n;
       const int blk = idx[static_cast<int64_t>(p) * s.G * n + i % n];
-      if (blk >= 0 && blk < num_blocks) atomicOr(&chosen[blk], 1u << p);
+      if (blk < 0 || blk >= num_blocks) continue;
+      if constexpr (kLocalOnly) {
+        if (IsLocalBlock(blk, t0 + p, slc_block)) atomicOr(&chosen[blk >= lo ? blk - lo : kLocalMasks - 1], 1u << p);
+      } else {
+        atomicOr(&chosen[blk], 1u << p);
+      }
     }
     __syncthreads();
   }
-  __device__ int Next(int from) const {  // CTA-uniform: chosen[] is read-only from here on
-    while (from < num_blocks && chosen[from] == 0u) ++from;
-    return from < num_blocks ? from : -1;
+  __device__ int Next(int from) const {  // CTA-uniform: the masks are read-only from here on
+    if constexpr (kLocalOnly) {
+      if (from <= 0 && lo > 0 && chosen[kLocalMasks - 1] != 0u) return 0;
+      for (from = max(from, lo); from <= hi && chosen[from - lo] == 0u;) ++from;
+      return from <= hi ? from : -1;
+    } else {
+      while (from < num_blocks && chosen[from] == 0u) ++from;
+      return from < num_blocks ? from : -1;
+    }
   }
   __device__ int First() const { return Next(0); }
   __device__ int Start(int blk) const { return blk * slc_block; }
   __device__ int Count(const Shape& s, int blk) const { return min(slc_block, s.T - blk * slc_block); }
   // Every row chose the block and sees all its keys (CTA-uniform): no per-row test.
   __device__ bool EveryRowSeesAll(int blk, int key0, int count) const {
-    return (chosen[blk] & all_rows) == all_rows && key0 + count - 1 <= t0;
+    return (Mask(blk) & all_rows) == all_rows && key0 + count - 1 <= t0;
   }
   // A block wholly before the CTA's first position: each row sees all of it (its position
   // chose it) or none (CTA-uniform), so the forward tests rows, not scores (RowSees).
   static constexpr bool kWholeBlockRows = true;
   __device__ bool RowsSeeWholeBlock(int key0, int count) const { return key0 + count - 1 <= t0; }
-  __device__ bool RowSees(int blk, int pos) const { return ((chosen[blk] >> pos) & 1u) != 0u; }
+  __device__ bool RowSees(int blk, int pos) const { return ((Mask(blk) >> pos) & 1u) != 0u; }
   // Block-relative keys [lo, hi] that row (pos, t) sees: the causal ones if the position
   // chose the block, none otherwise.
-  __device__ void RowKeys(int blk, int pos, int t, int key0, int count, int& lo, int& hi) const {
-    lo = 0;
-    hi = ((chosen[blk] >> pos) & 1u) != 0u ? min(count - 1, t - key0) : -1;
+  __device__ void RowKeys(int blk, int pos, int t, int key0, int count, int& lo_key, int& hi_key) const {
+    lo_key = 0;
+    hi_key = ((Mask(blk) >> pos) & 1u) != 0u ? min(count - 1, t - key0) : -1;
   }
 };
 
@@ -400,9 +431,9 @@ template <typename scalar_t, int D>
 void LaunchSelectedTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                                 at::Tensor& lse, const Shape& s, const at::Tensor& block_idx, const Geo& g) {
   const int num_blocks = (s.T + g.slc_block - 1) / g.slc_block;
-  const ChosenBlocksWalk walk{block_idx.data_ptr<int>(), static_cast<int>(block_idx.size(3)), g.slc_block,
-                              num_blocks};
-  smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, lse, s, walk, ChosenBlocksWalk::SmemBytes(num_blocks));
+  const ChosenBlocksWalk<false> walk{block_idx.data_ptr<int>(), static_cast<int>(block_idx.size(3)), g.slc_block,
+                                     num_blocks};
+  smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, lse, s, walk, walk.SmemBytes(num_blocks));
 }
 
 struct SelectedQueryPolicy {
@@ -501,13 +532,34 @@ bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
 // does not grow with the batch (64k, D=128, 6 heads per group: 3.3 GB per element).
 constexpr int64_t kDefaultPartialBytes = int64_t{4} << 30;
 
+// Whether the key-centric forward hands the local blocks to a tiled pass
+// (SelectedKernelChoice::Local): forced, or (auto) at head_dim 64, where the pass runs on
+// warpgroup MMAs. Measured on the H200 at 64k 12:2 (ncu): D64 the block kernel 1.56 -> 1.27
+// ms and the combine 479 -> 495 us for a 217 us pass (60 us saved; `slc` at 16k 0.70 ->
+// 0.62 ms); D128 3.02 -> 2.46 ms for 548 us on the mma.sync tiled kernel (242 registers, 12%
+// of the warps active) and a combine 35 us slower: no gain.
+bool LocalBlocksOnTiledPass(const Choice& c, const Shape& s) {
+  if (c.local != Choice::Local::kAuto) return c.local == Choice::Local::kTiledPass;
+  return s.D == 64;
+}
+
 template <typename scalar_t, int D>
 void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
                                     at::Tensor lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
                                     const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
-  const BlockMap map =
-      InvertBlockMap(block_idx, NS, QueriesPerCta(choice), PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false));
+  // The local blocks on the tiled pass: its result goes to out (the combine reads it there
+  // before it writes the row) and local_lse, and the block map leaves those entries out.
+  const bool local_pass = LocalBlocksOnTiledPass(choice, s);
+  at::Tensor local_lse;
+  if (local_pass) {
+    local_lse = at::empty_like(lse);
+    const ChosenBlocksWalk<true> walk{block_idx.data_ptr<int>(), n, g.slc_block, NS};
+    smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, local_lse, s, walk, walk.SmemBytes(NS));
+  }
+  const BlockMap map = InvertBlockMap(block_idx, NS, QueriesPerCta(choice),
+                                      PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false),
+                                      local_pass ? g.slc_block : 0);
   // One partial row per (entry, head): unused (-1) entries are allocated and never read.
   auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
   auto part_lse = at::empty({block_idx.numel() * s.hq()}, q.options().dtype(at::kFloat));
@@ -525,7 +577,7 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                                                                : block_fwd::CombineSelectedPartials<scalar_t, D, 4>;
   combine<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
       part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
-      lse.data_ptr<float>(), s, n, NS);
+      lse.data_ptr<float>(), s, n, NS, local_pass ? local_lse.data_ptr<float>() : nullptr, g.slc_block);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

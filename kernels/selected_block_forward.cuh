@@ -15,6 +15,10 @@
 //      selected blocks (a block listed twice counts once, as in the reference) and the
 //      partials weighted by 2^(lse_i - lse): the output and lse the backward expects; four
 //      blocks' loads in flight at a time.
+// At head_dim 64 a position's local blocks (block 0, its own and the previous one, which
+// every position of its block shares) leave the block kernel: a tiled pass over neighbouring
+// positions (smem_fwd's kernel with ChosenBlocksWalk<true>, selected_attention.cu) gives one
+// result for the three, which the combine starts from (SelectedKernelChoice::Local).
 // The partials cost B T G n hq (D + 2) 16-bit words of HBM traffic each way, against 16
 // blocks of K and V per (position, group) from L2 for the query-centric kernels: this pays
 // only when neighbours share few blocks (long sequences; the dispatch is measured).
@@ -160,18 +164,22 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 
 // One thread per (b, t, head, 8 columns): out and lse (log2 units, +inf and a zero row when no
 // block had a visible key) from the partials of the position's distinct selected blocks,
-// kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's lse, then its o, are
-// loaded before any is used, so a thread waits on two loads a batch instead of two a block
-// (the kernel is a stream of HBM reads). kBatch 8 at 86 registers (two CTAs an SM) was slower
-// than one at a time (PERFORMANCE.md, thirty-third session); 4 under four CTAs an SM keeps
-// most of the occupancy and is the default (ncu, H200, 64k 12:2 D64: 553 us a call against
-// 659 for the one-at-a-time kernel that kBatch 1 replaces). The repeat check compares the
-// batch's block indices, held in registers, with each earlier entry once.
+// and with local_lse set, from the tiled pass's result for its local blocks (out and
+// local_lse on entry; SelectedKernelChoice::Local) and the partials of the rest,
+// kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's block indices and lse,
+// then its o, are loaded before any is used, so a thread waits on two loads a batch instead of
+// three a block (the kernel is a stream of HBM reads, latency-bound at 47% of its warps
+// active). kBatch 8 at 86 registers (two CTAs an SM) was slower than one at a time
+// (PERFORMANCE.md, thirty-third session); 4 under four CTAs an SM keeps most of the occupancy
+// and is the default. Sixteen entries' lse before any o (64 registers) took 496 us against
+// 479 (thirty-seventh session). The repeat check compares the batch's block indices, held in
+// registers, with each earlier entry once.
 template <typename scalar_t, int D, int kBatch>
 __global__ void __launch_bounds__(256, 4)
     CombineSelectedPartials(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,
                             const int* __restrict__ block_idx, scalar_t* __restrict__ out,
-                            float* __restrict__ lse, Shape s, int n, int num_blocks) {
+                            float* __restrict__ lse, Shape s, int n, int num_blocks,
+                            const float* __restrict__ local_lse, int slc_block) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
@@ -182,14 +190,38 @@ __global__ void __launch_bounds__(256, 4)
   const int64_t e0 = (row / s.H * s.G + grp) * n;  // the (b, t, g) entries
   const int* idx = block_idx + e0;
   float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  // The local blocks' partial, when the tiled pass made it: out holds it (a zero row when its
+  // lse is +inf), so both loads go out unconditionally, next to the first batch's. 32-bit
+  // position arithmetic (B T < 2^31: InvertBlockMap checks B T G n): with a 64-bit remainder
+  // and the loads behind the lse test the kernel ran 459 M warp instructions, not 369 M.
+  const bool local_done = local_lse != nullptr;
+  int own = -2;  // the position's block, for the local test (-2: no block is local)
+  if (local_done) {
+    own = static_cast<int>(row / s.H) % s.T / slc_block;
+    const float x = local_lse[row];
+    const uint4 raw = *reinterpret_cast<const uint4*>(out + row * D + 8 * ch);
+    const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+    for (int d = 0; d < 8; ++d) acc[d] = static_cast<float>(val[d]);
+    if (x != INFINITY) m = x, l = 1.f;
+  }
   for (int j0 = 0; j0 < n; j0 += kBatch) {
-    // Which of the batch's entries count: a valid block that no earlier entry listed.
+    // The batch's block indices and partial lse, loaded together (an lse whose entry does not
+    // count is read and dropped, so no load waits on a block index: ncu, 64k D64 12:2, 561 ->
+    // 479 us), then which entries count: a valid block that no earlier entry listed, and not a
+    // local one the tiled pass took.
     int blk[kBatch];
+    float x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool in_row = j0 + u < n;
+      blk[u] = in_row ? idx[j0 + u] : -1;
+      x[u] = in_row ? part_lse[(e0 + j0 + u) * hq + head] : -INFINITY;
+    }
     bool counts[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      blk[u] = j0 + u < n ? idx[j0 + u] : -1;
-      counts[u] = blk[u] >= 0 && blk[u] < num_blocks;
+      counts[u] = blk[u] >= 0 && blk[u] < num_blocks && !(local_done && IsLocalToBlock(blk[u], own));
 #pragma unroll
       for (int u2 = 0; u2 < u; ++u2) counts[u] &= blk[u2] != blk[u];
     }
@@ -198,27 +230,18 @@ __global__ void __launch_bounds__(256, 4)
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) counts[u] &= earlier != blk[u];
     }
-    // Their partial lse (-inf for the rest, and for a block with no visible key, +inf: such
-    // an entry weighs 0 and its o is not read), then their o.
-    float x[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      x[u] = -INFINITY;
-      if (counts[u]) {
-        const float v = part_lse[(e0 + j0 + u) * hq + head];
-        if (v != INFINITY) x[u] = v;
-      }
-    }
+    // -inf for an entry that does not count, and for a block with no visible key (+inf):
+    // such an entry weighs 0 and its o is not read. Then the o of the rest.
+    float m_new = m;
     uint4 raw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
+      if (!counts[u] || x[u] == INFINITY) x[u] = -INFINITY;
+      m_new = fmaxf(m_new, x[u]);
       raw[u] = make_uint4(0u, 0u, 0u, 0u);
       if (x[u] != -INFINITY)
         raw[u] = *reinterpret_cast<const uint4*>(part_o + ((e0 + j0 + u) * hq + head) * D + 8 * ch);
     }
-    float m_new = m;
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) m_new = fmaxf(m_new, x[u]);
     if (m_new == -INFINITY) continue;  // nothing visible yet
     const float alpha = mma::Exp2(m - m_new);  // 0 for the first visible batch
 #pragma unroll

@@ -195,6 +195,11 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
     c.order = Choice::Order::kPosition;
     return c;
   };
+  // The same choice with the key-centric forward's local blocks where `local` says.
+  const auto with_local = [](Choice c, Choice::Local local) {
+    c.local = local;
+    return c;
+  };
   using Dq = Choice::Dq;
   const std::vector<Path> paths = {
       {"fwd rows", make(Choice::Fwd::kRows, Choice::DkDv::kAuto, 0), true, false},
@@ -212,6 +217,16 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
        }(),
        true, false},
       {"fwd blocks, one batch element per pass", make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0, Dq::kQuerySide, 1),
+       true, false},
+      // The local blocks (0, a position's own and the previous one) in the block kernel with
+      // the rest, and on the tiled pass the combine starts from (with short slices, and one
+      // batch element per pass: the pass's out and lse are views of the whole call's).
+      {"fwd blocks, local blocks in the block kernel",
+       with_local(make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0), Choice::Local::kInBlocks), true, false},
+      {"fwd blocks, local blocks on the tiled pass, 24 queries per item",
+       with_local(make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 24), Choice::Local::kTiledPass), true, false},
+      {"fwd blocks, local blocks on the tiled pass, one batch element per pass",
+       with_local(make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0, Dq::kQuerySide, 1), Choice::Local::kTiledPass),
        true, false},
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
@@ -281,11 +296,13 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
   const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
                                               geo_);
   // "blocks" combines four partials at a time, so its repeat falls inside a batch; one at a
-  // time, it falls across batches.
+  // time, it falls across batches. With the local blocks on the tiled pass the repeated block
+  // 0 is one of them: the combine skips both its slots.
   struct Forward {
     const char* name;
     Choice::Fwd fwd;
     Choice::Combine combine = Choice::Combine::kAuto;
+    Choice::Local local = Choice::Local::kAuto;
   };
   const std::vector<Forward> forwards =
       c.dtype == torch::kFloat  // one scalar kernel
@@ -293,6 +310,10 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
           : std::vector<Forward>{{"tiled", Choice::Fwd::kTiled},
                                  {"blocks", Choice::Fwd::kBlocks},
                                  {"blocks, combine one block at a time", Choice::Fwd::kBlocks, Choice::Combine::kOne},
+                                 {"blocks, local blocks in the block kernel", Choice::Fwd::kBlocks,
+                                  Choice::Combine::kAuto, Choice::Local::kInBlocks},
+                                 {"blocks, local blocks on the tiled pass", Choice::Fwd::kBlocks,
+                                  Choice::Combine::kAuto, Choice::Local::kTiledPass},
                                  {"rows", Choice::Fwd::kRows},
                                  {"heads", Choice::Fwd::kHeads}};
   for (const Forward& f : forwards) {
@@ -300,6 +321,43 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
     Choice choice;
     choice.fwd = f.fwd;
     choice.combine = f.combine;
+    choice.local = f.local;
+    const cuda::detail::ScopedSelectedKernelChoice force(choice);
+    Poison();
+    ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
+  }
+}
+
+// The key-centric forward's split of the local blocks (block 0, a position's own and the one
+// before it) follows the selection it is given, not the rules that make one: here every odd
+// position dropped its local blocks (their slots -1), so it attends only its other blocks, and
+// the tiled pass, the block kernel and the combine must each leave them out.
+TEST_P(KernelsTest, SelectedForwardFollowsASelectionWithoutLocalBlocks) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  const Case c = GetParam();
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const int64_t NS = NumSlcBlocks(c.T, geo_);
+  const auto importance =
+      torch::rand({kBatch, c.T, c.G, NS}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  auto idx = cuda::SelectBlocks(importance, c.T, geo_);
+  const auto t = torch::arange(c.T, idx.options()).view({1, c.T, 1, 1});
+  const auto own = torch::div(t, geo_.slc_block, "floor");
+  const auto local = (idx >= 0) & ((idx == 0) | (idx == own) | (idx == own - 1));
+  idx = torch::where(local & (t % 2 == 1), torch::full_like(idx, -1), idx);
+  const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
+                                              geo_);
+  const std::vector<std::pair<const char*, Choice::Local>> locals =
+      c.dtype == torch::kFloat ? std::vector<std::pair<const char*, Choice::Local>>{{"fp32", Choice::Local::kAuto}}
+                               : std::vector<std::pair<const char*, Choice::Local>>{
+                                     {"in the block kernel", Choice::Local::kInBlocks},
+                                     {"on the tiled pass", Choice::Local::kTiledPass}};
+  for (const auto& [name, where] : locals) {
+    SCOPED_TRACE(name);
+    Choice choice;
+    if (c.dtype != torch::kFloat) choice.fwd = Choice::Fwd::kBlocks;
+    choice.local = where;
     const cuda::detail::ScopedSelectedKernelChoice force(choice);
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
