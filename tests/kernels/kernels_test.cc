@@ -118,6 +118,10 @@ class KernelsTest : public testing::TestWithParam<Case> {
   // Forward and gradients against the reference for block_idx (default: a selection of random
   // importance); returns the kernels' {dq, dk, dv}.
   std::vector<torch::Tensor> CheckSelectedAttention(torch::Tensor idx = {});
+  // The selected forward of random inputs under each named kernel choice against the
+  // reference, for the selection idx (the outputs start as NaN).
+  void CheckSelectedForwardUnder(const torch::Tensor& idx,
+                                 const std::vector<std::pair<const char*, cuda::detail::SelectedKernelChoice>>& choices);
   void CheckCompressedAttention();
   void CheckSlidingWindow();
 
@@ -286,46 +290,46 @@ torch::Tensor SelectionWithBlockZeroRepeated(const Case& c, const Geometry& geo)
   return idx;
 }
 
-TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
-  using Choice = cuda::detail::SelectedKernelChoice;
-  const Case c = GetParam();
-  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto idx = SelectionWithBlockZeroRepeated(c, geo_);
+void KernelsTest::CheckSelectedForwardUnder(
+    const torch::Tensor& idx, const std::vector<std::pair<const char*, cuda::detail::SelectedKernelChoice>>& choices) {
+  const auto [q, k, v, unused_dout] = RandomAttentionInputs();
   const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
                                               geo_);
-  // "blocks" combines four partials at a time, so its repeat falls inside a batch; one at a
-  // time, it falls across batches. With the local blocks on the tiled pass the repeated block
-  // 0 is one of them: the combine skips both its slots.
-  struct Forward {
-    const char* name;
-    Choice::Fwd fwd;
-    Choice::Combine combine = Choice::Combine::kAuto;
-    Choice::Local local = Choice::Local::kAuto;
-  };
-  const std::vector<Forward> forwards =
-      c.dtype == torch::kFloat  // one scalar kernel
-          ? std::vector<Forward>{{"fp32", Choice::Fwd::kAuto}}
-          : std::vector<Forward>{{"tiled", Choice::Fwd::kTiled},
-                                 {"blocks", Choice::Fwd::kBlocks},
-                                 {"blocks, combine one block at a time", Choice::Fwd::kBlocks, Choice::Combine::kOne},
-                                 {"blocks, local blocks in the block kernel", Choice::Fwd::kBlocks,
-                                  Choice::Combine::kAuto, Choice::Local::kInBlocks},
-                                 {"blocks, local blocks on the tiled pass", Choice::Fwd::kBlocks,
-                                  Choice::Combine::kAuto, Choice::Local::kTiledPass},
-                                 {"rows", Choice::Fwd::kRows},
-                                 {"heads", Choice::Fwd::kHeads}};
-  for (const Forward& f : forwards) {
-    SCOPED_TRACE(f.name);
-    Choice choice;
-    choice.fwd = f.fwd;
-    choice.combine = f.combine;
-    choice.local = f.local;
+  for (const auto& [name, choice] : choices) {
+    SCOPED_TRACE(name);
     const cuda::detail::ScopedSelectedKernelChoice force(choice);
     Poison();
     ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
   }
+}
+
+TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
+  using Choice = cuda::detail::SelectedKernelChoice;
+  // "blocks" combines four partials at a time, so its repeat falls inside a batch; one at a
+  // time, it falls across batches. With the local blocks on the tiled pass the repeated block
+  // 0 is one of them: the combine skips both its slots.
+  const auto forward = [](Choice::Fwd fwd, Choice::Combine combine = Choice::Combine::kAuto,
+                          Choice::Local local = Choice::Local::kAuto) {
+    Choice choice;
+    choice.fwd = fwd;
+    choice.combine = combine;
+    choice.local = local;
+    return choice;
+  };
+  const std::vector<std::pair<const char*, Choice>> forwards =
+      GetParam().dtype == torch::kFloat  // one scalar kernel
+          ? std::vector<std::pair<const char*, Choice>>{{"fp32", Choice{}}}
+          : std::vector<std::pair<const char*, Choice>>{
+                {"tiled", forward(Choice::Fwd::kTiled)},
+                {"blocks", forward(Choice::Fwd::kBlocks)},
+                {"blocks, combine one block at a time", forward(Choice::Fwd::kBlocks, Choice::Combine::kOne)},
+                {"blocks, local blocks in the block kernel",
+                 forward(Choice::Fwd::kBlocks, Choice::Combine::kAuto, Choice::Local::kInBlocks)},
+                {"blocks, local blocks on the tiled pass",
+                 forward(Choice::Fwd::kBlocks, Choice::Combine::kAuto, Choice::Local::kTiledPass)},
+                {"rows", forward(Choice::Fwd::kRows)},
+                {"heads", forward(Choice::Fwd::kHeads)}};
+  CheckSelectedForwardUnder(SelectionWithBlockZeroRepeated(GetParam(), geo_), forwards);
 }
 
 // The key-centric forward's split of the local blocks (block 0, a position's own and the one
@@ -335,9 +339,6 @@ TEST_P(KernelsTest, SelectedForwardCountsARepeatedBlockOnce) {
 TEST_P(KernelsTest, SelectedForwardFollowsASelectionWithoutLocalBlocks) {
   using Choice = cuda::detail::SelectedKernelChoice;
   const Case c = GetParam();
-  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
-  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
-  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
   const int64_t NS = NumSlcBlocks(c.T, geo_);
   const auto importance =
       torch::rand({kBatch, c.T, c.G, NS}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
@@ -346,22 +347,17 @@ TEST_P(KernelsTest, SelectedForwardFollowsASelectionWithoutLocalBlocks) {
   const auto own = torch::div(t, geo_.slc_block, "floor");
   const auto local = (idx >= 0) & ((idx == 0) | (idx == own) | (idx == own - 1));
   idx = torch::where(local & (t % 2 == 1), torch::full_like(idx, -1), idx);
-  const auto ref = SelectedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), idx,
-                                              geo_);
-  const std::vector<std::pair<const char*, Choice::Local>> locals =
-      c.dtype == torch::kFloat ? std::vector<std::pair<const char*, Choice::Local>>{{"fp32", Choice::Local::kAuto}}
-                               : std::vector<std::pair<const char*, Choice::Local>>{
-                                     {"in the block kernel", Choice::Local::kInBlocks},
-                                     {"on the tiled pass", Choice::Local::kTiledPass}};
-  for (const auto& [name, where] : locals) {
-    SCOPED_TRACE(name);
+  const auto blocks_with = [](Choice::Local where) {
     Choice choice;
-    if (c.dtype != torch::kFloat) choice.fwd = Choice::Fwd::kBlocks;
+    choice.fwd = Choice::Fwd::kBlocks;
     choice.local = where;
-    const cuda::detail::ScopedSelectedKernelChoice force(choice);
-    Poison();
-    ExpectClose(cuda::SelectedAttention(q, k, v, idx, geo_), ref, "out");
-  }
+    return choice;
+  };
+  CheckSelectedForwardUnder(idx, c.dtype == torch::kFloat
+                                     ? std::vector<std::pair<const char*, Choice>>{{"fp32", Choice{}}}
+                                     : std::vector<std::pair<const char*, Choice>>{
+                                           {"in the block kernel", blocks_with(Choice::Local::kInBlocks)},
+                                           {"on the tiled pass", blocks_with(Choice::Local::kTiledPass)}});
 }
 
 // The backward under the default kernels and with short slices (a block's entries over many
