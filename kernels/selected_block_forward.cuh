@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(256, 4)
   // position arithmetic (B T < 2^31: InvertBlockMap checks B T G n): with a 64-bit remainder
   // and the loads behind the lse test the kernel ran 459 M warp instructions, not 369 M.
   const bool local_done = local_lse != nullptr;
-  int own = -2;  // the position's block, for the local test (-2: no block is local)
+  int own = -2;  // the position's block, for the local test (read only with the local pass)
   if (local_done) {
     own = static_cast<int>(row / s.H) % s.T / slc_block;
     const float x = local_lse[row];
