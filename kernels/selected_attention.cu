@@ -322,9 +322,11 @@ struct ChosenBlocksWalk {
   int t0 = 0, lo = 0, hi = 0;  // the local walk's candidate range
 
   static int SmemBytes(int num_blocks) { return 4 * (kLocalOnly ? kLocalMasks : num_blocks); }
+  // Where a local walk keeps candidate block blk's mask.
+  __device__ int LocalSlot(int blk) const { return blk >= lo ? blk - lo : kLocalMasks - 1; }
   __device__ unsigned Mask(int blk) const {
     if constexpr (kLocalOnly) {
-      return chosen[blk >= lo ? blk - lo : kLocalMasks - 1];
+      return chosen[LocalSlot(blk)];
     } else {
       return chosen[blk];
     }
@@ -346,7 +348,7 @@ struct ChosenBlocksWalk {
       const int blk = idx[static_cast<int64_t>(p) * s.G * n + i % n];
       if (blk < 0 || blk >= num_blocks) continue;
       if constexpr (kLocalOnly) {
-        if (IsLocalBlock(blk, t0 + p, slc_block)) atomicOr(&chosen[blk >= lo ? blk - lo : kLocalMasks - 1], 1u << p);
+        if (IsLocalBlock(blk, t0 + p, slc_block)) atomicOr(&chosen[LocalSlot(blk)], 1u << p);
       } else {
         atomicOr(&chosen[blk], 1u << p);
       }
