@@ -37,7 +37,7 @@ constexpr std::pair<const char*, SelectedChoice::Combine> kSlcCombineNames[] = {
     {"batch4", SelectedChoice::Combine::kBatch4}};
 constexpr std::pair<const char*, SelectedChoice::Local> kSlcLocalNames[] = {
     {"auto", SelectedChoice::Local::kAuto}, {"blocks", SelectedChoice::Local::kInBlocks},
-    {"tiled", SelectedChoice::Local::kTiledPass}};
+    {"tiled", SelectedChoice::Local::kTiledPass}, {"kernel", SelectedChoice::Local::kLocalKernel}};
 constexpr std::pair<const char*, WindowChoice::Forward> kWinFwdNames[] = {
     {"auto", WindowChoice::Forward::kAuto}, {"flash", WindowChoice::Forward::kFlash},
     {"tiled", WindowChoice::Forward::kTiled}};

@@ -541,8 +541,24 @@ constexpr int64_t kDefaultPartialBytes = int64_t{4} << 30;
 // 0.62 ms); D128 3.02 -> 2.46 ms for 548 us on the mma.sync tiled kernel (242 registers, 12%
 // of the warps active) and a combine 35 us slower: no gain.
 bool LocalBlocksOnTiledPass(const Choice& c, const Shape& s) {
-  if (c.local != Choice::Local::kAuto) return c.local == Choice::Local::kTiledPass;
+  if (c.local != Choice::Local::kAuto) return c.local != Choice::Local::kInBlocks;
   return s.D == 64;
+}
+
+// Whether that pass runs on LocalBlocksWgmmaKernel (block_fwd::LocalCfg's shape: head_dim 64,
+// selection blocks of 64 keys, bf16/fp16, an sm_90 device): forced (a forced choice that
+// cannot run fails the call), or (auto) wherever it runs. H200, 64k D64 12:2 (ncu): 219 us on
+// the tiled pass's kernel -> 156 us (121 registers, 60M instructions against 104M); the
+// selected forward 2.12-2.16 -> 2.05-2.07 ms (nsa_bench --slc-only, PERFORMANCE.md).
+bool LocalBlocksOnOwnKernel(const Choice& c, const at::Tensor& q, const Shape& s, const Geo& g) {
+  const bool runs = q.scalar_type() != at::kFloat && s.D == block_fwd::LocalCfg::kD &&
+                    g.slc_block == block_fwd::LocalCfg::kN && WgmmaRunsHere();
+  if (c.local == Choice::Local::kLocalKernel) {
+    TORCH_CHECK(runs, "SelectedKernelChoice: the local-blocks kernel needs bf16/fp16, head_dim 64, selection "
+                      "blocks of 64 keys and an sm_90 device with kernels built for sm_90a");
+    return true;
+  }
+  return c.local == Choice::Local::kAuto && runs;
 }
 
 template <typename scalar_t, int D>
@@ -556,8 +572,18 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
   at::Tensor local_lse;
   if (local_pass) {
     local_lse = at::empty_like(lse);
-    const ChosenBlocksWalk<true> walk{block_idx.data_ptr<int>(), n, g.slc_block, NS};
-    smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, local_lse, s, walk, walk.SmemBytes(NS));
+    if (LocalBlocksOnOwnKernel(choice, q, s, g)) {
+      if constexpr (D == block_fwd::LocalCfg::kD) {
+        LaunchKernel(block_fwd::LocalBlocksWgmmaKernel<scalar_t>, dim3(static_cast<unsigned>(NS), s.G, s.B),
+                     block_fwd::LocalCfg::kThreads, block_fwd::LocalCfg::kSmemBytes, q.data_ptr<scalar_t>(),
+                     k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                     local_lse.data_ptr<float>(), s, block_idx.data_ptr<int>(), n,
+                     kLog2e / std::sqrt(static_cast<float>(s.D)));
+      }
+    } else {
+      const ChosenBlocksWalk<true> walk{block_idx.data_ptr<int>(), n, g.slc_block, NS};
+      smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, local_lse, s, walk, walk.SmemBytes(NS));
+    }
   }
   const BlockMap map = InvertBlockMap(block_idx, NS, QueriesPerCta(choice),
                                       PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false),

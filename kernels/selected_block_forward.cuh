@@ -17,8 +17,9 @@
 //      blocks' loads in flight at a time.
 // At head_dim 64 a position's local blocks (block 0, its own and the previous one, which
 // every position of its block shares) leave the block kernel: a tiled pass over neighbouring
-// positions (smem_fwd's kernel with ChosenBlocksWalk<true>, selected_attention.cu) gives one
-// result for the three, which the combine starts from (SelectedKernelChoice::Local).
+// positions (smem_fwd's kernel with ChosenBlocksWalk<true>, selected_attention.cu, or with
+// 64-key selection blocks on sm_90a LocalBlocksWgmmaKernel below) gives one result for the
+// three, which the combine starts from (SelectedKernelChoice::Local).
 // The partials cost B T G n hq (D + 2) 16-bit words of HBM traffic each way, against 16
 // blocks of K and V per (position, group) from L2 for the query-centric kernels: this pays
 // only when neighbours share few blocks (long sequences; the dispatch is measured).
@@ -263,6 +264,134 @@ __global__ void __launch_bounds__(256, 4)
   for (int d = 0; d < 8; ++d) res[d] = static_cast<scalar_t>(acc[d] * inv);
   *reinterpret_cast<uint4*>(out + row * D + 8 * ch) = *reinterpret_cast<const uint4*>(res);
   if (ch == 0) lse[row] = l > 0.f ? m + log2f(l) : INFINITY;
+}
+
+// The local blocks' pass on its own kernel (SelectedKernelChoice::Local::kLocalKernel): head_dim
+// 64, selection blocks of 64 keys, bf16/fp16 on sm_90a. Why: the general tiled pass
+// (ChosenBlocksWalk<true>) holds 10 positions of 6 heads a CTA, so each CTA stages the same
+// three blocks for a tenth of their positions, builds chooser masks in shared memory and
+// keeps 24% of its warps active (218 us at 64k D64 12:2). Here one CTA takes a selection block
+// c of one (b, g): its 64 positions all have the local blocks 0, c - 1 and c, staged once for
+// every head of the group; the warpgroup walks the heads, each head's 64 positions being the
+// 64 rows of its warpgroup MMAs (S = Q K^T, online softmax, O += P V, as TiledFwdWgmmaKernel).
+// A row sees a block if its position's selection lists it (bits read once per CTA from
+// block_idx, so a hand-made selection without its local blocks is followed too), and in block
+// c only the causal keys. Out and lse as the tiled pass writes them.
+struct LocalCfg {
+  static constexpr int kD = 64, kN = 64;           // head_dim, keys per block (= selection block)
+  static constexpr int kThreads = wgmma::kWarpgroupThreads;
+  static constexpr int kTileBytes = kN * kD * 2;   // 8 KB: a multiple of the swizzle's 1 KB
+  static constexpr int kBlocks = 3;                // 0, c - 1, c
+  static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
+  static constexpr int kSmemBytes = kAlignSlack + kBlocks * 2 * kTileBytes;
+};
+
+// Four CTAs an SM (128 registers, 4 x 49 KB of shared memory), as the tiled pass's kernel.
+template <typename scalar_t>
+__global__ void __launch_bounds__(LocalCfg::kThreads, 4)
+    LocalBlocksWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                           const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse,
+                           Shape s, const int* __restrict__ block_idx, int n, float scale_log2) {
+  using Cfg = LocalCfg;
+  constexpr int D = Cfg::kD, kN = Cfg::kN;
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  extern __shared__ float4 local_smem[];  // [slack][block j: K tile, V tile]
+  const uint32_t raw_base = mma::SmemAddr(local_smem);
+  const uint32_t base = (raw_base + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
+  const int c = static_cast<int>(blockIdx.x), grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int t0 = c * kN, positions = min(kN, s.T - t0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hq = s.hq();
+
+  // The local blocks, ascending and distinct: 0, then c - 1 and c where they are new (c, the
+  // causal one, last). Worked out from j rather than held in an array, which took 16 bytes of
+  // stack (ptxas).
+  const int count = c == 0 ? 1 : c == 1 ? 2 : 3;
+  const auto block_at = [&](int j) { return j == 0 ? 0 : j == count - 1 ? c : c - 1; };
+  const mma::TileCopyPlan<D, kN, Cfg::kThreads> plan(s.G * D);
+  for (int j = 0; j < count; ++j) {
+    const int first = block_at(j) * kN, keys = min(kN, s.T - first);
+    plan.Issue(base + j * 2 * Cfg::kTileBytes, k + KeyOffset(s, b, first, grp), keys);
+    plan.Issue(base + j * 2 * Cfg::kTileBytes + Cfg::kTileBytes, v + KeyOffset(s, b, first, grp), keys);
+  }
+  mma::CpAsyncCommit();
+
+  // The lane's two rows (positions t0 + r): bit j of chose[h] says the position's selection
+  // lists block_at(j). The four lanes of a row read every fourth slot and OR their bits.
+  int r[2];
+  bool valid[2];
+  unsigned chose[2] = {0u, 0u};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    r[h] = 16 * warp + (lane >> 2) + 8 * h;
+    valid[h] = r[h] < positions;
+    if (valid[h]) {
+      const int* row = block_idx + ((static_cast<int64_t>(b) * s.T + t0 + r[h]) * s.G + grp) * n;
+      for (int slot = lane & 3; slot < n; slot += 4) {
+        const int blk = row[slot];
+#pragma unroll
+        for (int j = 0; j < Cfg::kBlocks; ++j) chose[h] |= j < count && blk == block_at(j) ? 1u << j : 0u;
+      }
+    }
+    chose[h] |= __shfl_xor_sync(0xffffffffu, chose[h], 1);
+    chose[h] |= __shfl_xor_sync(0xffffffffu, chose[h], 2);
+  }
+  mma::CpAsyncWaitAll();
+  wgmma::FenceProxyAsync();  // the tiles, visible to the tensor cores after the barrier
+  __syncthreads();
+
+  const uint64_t k_rows = wgmma::KMajorTile(base), v_cols = wgmma::MnMajorTile(base + Cfg::kTileBytes);
+  for (int head = 0; head < hq; ++head) {
+    int64_t index[1][2];
+    bool row_valid[1][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_valid[0][h] = valid[h];
+      index[0][h] = (static_cast<int64_t>(b) * s.T + t0 + (valid[h] ? r[h] : 0)) * s.H + grp * hq + head;
+    }
+    uint32_t qf[1][D / 16][4];  // invalid rows: Q = 0, never stored
+    smem_fwd::LoadRowFragments<D, 1>(qf, q, index, row_valid, lane);
+    smem_fwd::State<D, 1> st;
+    st.Init();
+    for (int j = 0; j < count; ++j) {
+      const uint32_t off = j * 2 * Cfg::kTileBytes;
+      float sc[kN / 8][4];  // S = Q K^T: its first step overwrites, so no zeroing
+      wgmma::Fence();
+      wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0][0], wgmma::Advance(k_rows, off));
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, off + wgmma::kKMajorStepBytes * kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(sc);
+      const bool sees[2] = {valid[0] && ((chose[0] >> j) & 1u) != 0u, valid[1] && ((chose[1] >> j) & 1u) != 0u};
+      if (block_at(j) < c) {  // wholly before every position: a row sees all of it or none
+        if (__all_sync(0xffffffffu, sees[0] && sees[1])) {
+          mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
+                                               [](int, int) { return true; }, lane);
+        } else {
+          mma::OnlineSoftmaxLazyRescaleRows<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, sees, lane);
+        }
+      } else {  // the positions' own block: keys up to the row's position (key0 = t0)
+        const int last[2] = {sees[0] ? r[0] : -1, sees[1] ? r[1] : -1};
+        mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
+                                             [&](int h, int key) { return key <= last[h]; }, lane);
+      }
+      uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+      wgmma::FenceRegisters(st.o[0]);
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, off + wgmma::kMnMajorStepBytes * kk));
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(st.o[0]);
+    }
+    smem_fwd::Finish<kBf16, D, 1>(st, out, lse, index, row_valid, lane);
+  }
 }
 
 }  // namespace nsad::nsa::cuda::detail::block_fwd

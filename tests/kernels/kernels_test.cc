@@ -232,6 +232,7 @@ TEST_P(KernelsTest, SelectedAttentionEveryKernelPath) {
       {"fwd blocks, local blocks on the tiled pass, one batch element per pass",
        with_local(make(Choice::Fwd::kBlocks, Choice::DkDv::kAuto, 0, Dq::kQuerySide, 1), Choice::Local::kTiledPass),
        true, false},
+      // (The pass's own kernel is the default wherever it runs: "fwd blocks" above.)
       {"fwd heads, dkdv unstaged", make(Choice::Fwd::kHeads, Choice::DkDv::kUnstaged, 0), true, false},
       {"dkdv staged 16x3", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged16x3, 0), true, true},
       {"dkdv staged 32x1", make(Choice::Fwd::kAuto, Choice::DkDv::kStaged32x1, 0), true, true},
@@ -353,11 +354,23 @@ TEST_P(KernelsTest, SelectedForwardFollowsASelectionWithoutLocalBlocks) {
     choice.local = where;
     return choice;
   };
-  CheckSelectedForwardUnder(idx, c.dtype == torch::kFloat
-                                     ? std::vector<std::pair<const char*, Choice>>{{"fp32", Choice{}}}
-                                     : std::vector<std::pair<const char*, Choice>>{
-                                           {"in the block kernel", blocks_with(Choice::Local::kInBlocks)},
-                                           {"on the tiled pass", blocks_with(Choice::Local::kTiledPass)}});
+  if (c.dtype == torch::kFloat) return CheckSelectedForwardUnder(idx, {{"fp32", Choice{}}});
+  std::vector<std::pair<const char*, Choice>> forwards = {
+      {"in the block kernel", blocks_with(Choice::Local::kInBlocks)},
+      {"on the tiled pass", blocks_with(Choice::Local::kTiledPass)}};
+  // The pass's own kernel runs at head_dim 64 with 64-key selection blocks on an sm_90
+  // device; elsewhere a forced choice of it fails the call.
+  const bool own_kernel_runs = c.D == 64 && geo_.slc_block == 64 && cuda::detail::WgmmaRunsHere();
+  if (own_kernel_runs) {
+    forwards.push_back({"on its own kernel", blocks_with(Choice::Local::kLocalKernel)});
+  } else {
+    const cuda::detail::ScopedSelectedKernelChoice force(blocks_with(Choice::Local::kLocalKernel));
+    EXPECT_THROW(cuda::SelectedAttention(torch::randn({kBatch, c.T, c.H, c.D}, Opts()),
+                                         torch::randn({kBatch, c.T, c.G, c.D}, Opts()),
+                                         torch::randn({kBatch, c.T, c.G, c.D}, Opts()), idx, geo_),
+                 c10::Error);
+  }
+  CheckSelectedForwardUnder(idx, forwards);
 }
 
 // The backward under the default kernels and with short slices (a block's entries over many
@@ -886,7 +899,9 @@ TEST(SelectBlocksLongRows, SmallestAndLargestTopN) {
 // entries grouped by (b, g, block), positions ascending inside, unused slots last; segments
 // cut into items of queries_per_item entries; items in position order by their first entry.
 // Three uses of the slots: all blocks drawn; only even blocks, so every other segment is empty;
-// no slot used at all, so every segment is.
+// no slot used at all, so every segment is. With skip_local_of (the key-centric forward's local
+// pass) an entry whose block is local to its position (block 0, its own or the one before) is
+// left out like an unused slot.
 TEST(InvertBlockMap, MatchesTheHostDefinition) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t B = 2, T = 301, G = 3, n = 4;
@@ -903,14 +918,20 @@ TEST(InvertBlockMap, MatchesTheHostDefinition) {
       if (use == Use::kEvenBlocks) idx = idx * 2;
       const double unused = use == Use::kNoSlot ? 1.0 : 0.2;
       idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx).contiguous();
-      for (const bool position_order : {false, true}) {
-        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order);
+      const int slc_block = static_cast<int>((T + NS - 1) / NS);  // NS blocks cover the sequence
+      for (const auto& [position_order, skip_local_of] :
+           std::vector<std::pair<bool, int>>{{false, 0}, {true, 0}, {false, slc_block}, {true, slc_block}}) {
+        SCOPED_TRACE(std::string(position_order ? "position order" : "block order") +
+                     (skip_local_of > 0 ? ", local blocks left out" : ""));
+        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order, skip_local_of);
         const int64_t S = B * G * NS, E = idx.numel();
         const int* e_blk = idx.data_ptr<int>();
         std::vector<int64_t> key(E), entries(E);
         for (int64_t e = 0; e < E; ++e) {
-          const int64_t g = (e / n) % G, b = e / (n * G * T);
-          key[e] = e_blk[e] < 0 ? S : (b * G + g) * NS + e_blk[e];
+          const int64_t g = (e / n) % G, b = e / (n * G * T), t = (e / (n * G)) % T;
+          const int64_t blk = e_blk[e], own = skip_local_of > 0 ? t / skip_local_of : -1;
+          const bool local = skip_local_of > 0 && blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
+          key[e] = blk < 0 || local ? S : (b * G + g) * NS + blk;
         }
         std::iota(entries.begin(), entries.end(), 0);
         std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
