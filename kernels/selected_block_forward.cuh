@@ -168,8 +168,8 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 // and with local_lse set, from the tiled pass's result for its local blocks (out and
 // local_lse on entry; SelectedKernelChoice::Local) and the partials of the rest,
 // kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's block indices and lse,
-// then its o, are loaded before any is used, so a thread waits on two loads a batch instead of
-// three a block (the kernel is a stream of HBM reads, latency-bound at 47% of its warps
+// then its o, are loaded before any is used, and the next batch's indices and lse go out with
+// this batch's o, so a thread waits on one load a batch instead of three a block (the kernel is a stream of HBM reads, latency-bound at 47% of its warps
 // active). kBatch 8 at 86 registers (two CTAs an SM) was slower than one at a time
 // (PERFORMANCE.md, thirty-third session); 4 under four CTAs an SM keeps most of the occupancy
 // and is the default. Sixteen entries' lse before any o (64 registers) took 496 us against
@@ -206,19 +206,25 @@ __global__ void __launch_bounds__(256, 4)
     for (int d = 0; d < 8; ++d) acc[d] = static_cast<float>(val[d]);
     if (x != INFINITY) m = x, l = 1.f;
   }
-  for (int j0 = 0; j0 < n; j0 += kBatch) {
-    // The batch's block indices and partial lse, loaded together (an lse whose entry does not
-    // count is read and dropped, so no load waits on a block index: ncu, 64k D64 12:2, 561 ->
-    // 479 us), then which entries count: a valid block that no earlier entry listed, and not a
-    // local one the tiled pass took.
-    int blk[kBatch];
-    float x[kBatch];
+  // The batch's block indices and partial lse, loaded together (an lse whose entry does not
+  // count is read and dropped, so no load waits on a block index: ncu, 64k D64 12:2, 561 ->
+  // 479 us). The next batch's go out behind this batch's o loads, so a batch waits on one
+  // round trip to memory, not two (ncu, 64k 12:2: D64 510 -> 491 us, D128 955 -> 913 us against
+  // the same loop loading them at its end; thirty-eighth session).
+  const auto load_batch = [&](int j0, int (&blk)[kBatch], float (&x)[kBatch]) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const bool in_row = j0 + u < n;
       blk[u] = in_row ? idx[j0 + u] : -1;
       x[u] = in_row ? part_lse[(e0 + j0 + u) * hq + head] : -INFINITY;
     }
+  };
+  int blk[kBatch];
+  float x[kBatch];
+  load_batch(0, blk, x);
+  for (int j0 = 0; j0 < n; j0 += kBatch) {
+    // Which entries count: a valid block that no earlier entry listed, and not a local one
+    // the local pass took.
     bool counts[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -243,20 +249,26 @@ __global__ void __launch_bounds__(256, 4)
       if (x[u] != -INFINITY)
         raw[u] = *reinterpret_cast<const uint4*>(part_o + ((e0 + j0 + u) * hq + head) * D + 8 * ch);
     }
-    if (m_new == -INFINITY) continue;  // nothing visible yet
-    const float alpha = mma::Exp2(m - m_new);  // 0 for the first visible batch
+    int next_blk[kBatch];
+    float next_x[kBatch];
+    load_batch(j0 + kBatch, next_blk, next_x);
+    if (m_new != -INFINITY) {  // else nothing visible yet
+      const float alpha = mma::Exp2(m - m_new);  // 0 for the first visible batch
 #pragma unroll
-    for (int d = 0; d < 8; ++d) acc[d] *= alpha;
-    l *= alpha;
+      for (int d = 0; d < 8; ++d) acc[d] *= alpha;
+      l *= alpha;
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const float wgt = mma::Exp2(x[u] - m_new);  // 0 for a skipped entry
-      const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw[u]);
+      for (int u = 0; u < kBatch; ++u) {
+        const float wgt = mma::Exp2(x[u] - m_new);  // 0 for a skipped entry
+        const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw[u]);
 #pragma unroll
-      for (int d = 0; d < 8; ++d) acc[d] += wgt * static_cast<float>(val[d]);
-      l += wgt;
+        for (int d = 0; d < 8; ++d) acc[d] += wgt * static_cast<float>(val[d]);
+        l += wgt;
+      }
+      m = m_new;
     }
-    m = m_new;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) blk[u] = next_blk[u], x[u] = next_x[u];
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   alignas(16) scalar_t res[8];
