@@ -366,16 +366,8 @@ __global__ void __launch_bounds__(LocalCfg::kThreads, 4)
     st.Init();
     for (int j = 0; j < count; ++j) {
       const uint32_t off = j * 2 * Cfg::kTileBytes;
-      float sc[kN / 8][4];  // S = Q K^T: its first step overwrites, so no zeroing
-      wgmma::Fence();
-      wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0][0], wgmma::Advance(k_rows, off));
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, off + wgmma::kKMajorStepBytes * kk));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegisters(sc);
+      float sc[kN / 8][4];
+      smem_fwd::WgmmaScores<kBf16, D>(sc, qf[0], k_rows, off);
       const bool sees[2] = {valid[0] && ((chose[0] >> j) & 1u) != 0u, valid[1] && ((chose[1] >> j) & 1u) != 0u};
       if (block_at(j) < c) {  // wholly before every position: a row sees all of it or none
         if (__all_sync(0xffffffffu, sees[0] && sees[1])) {
@@ -389,18 +381,7 @@ __global__ void __launch_bounds__(LocalCfg::kThreads, 4)
         mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
                                              [&](int h, int key) { return key <= last[h]; }, lane);
       }
-      uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
-      wgmma::FenceRegisters(st.o[0]);
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, off + wgmma::kMnMajorStepBytes * kk));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegisters(st.o[0]);
+      smem_fwd::WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, off);
     }
     smem_fwd::Finish<kBf16, D, 1>(st, out, lse, index, row_valid, lane);
   }

@@ -356,6 +356,43 @@ struct TiledWgmmaCfg {
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
 };
 
+// A warpgroup's two products for one staged 64-key tile (TiledFwdWgmmaKernel, and the selected
+// forward's local-blocks kernel), each issued and waited for in place.
+// S = Q K^T: Q's A fragments in registers (the warp's 16 rows), K read K-major from the tile
+// `off` bytes past k_rows's (k16 step 0); its first step overwrites, so sc needs no zeroing.
+template <bool kBf16, int D>
+__device__ __forceinline__ void WgmmaScores(float (&sc)[8][4], const uint32_t (&qf)[D / 16][4], uint64_t k_rows,
+                                            uint32_t off) {
+  wgmma::Fence();
+  wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0], wgmma::Advance(k_rows, off));
+#pragma unroll
+  for (int kk = 1; kk < D / 16; ++kk) {
+    wgmma::MmaM64N64K16<kBf16, false>(sc, qf[kk], wgmma::Advance(k_rows, off + wgmma::kKMajorStepBytes * kk));
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceRegisters(sc);
+}
+// O += P V: P packed from the softmax's probabilities in sc into A fragments (k16 step kk =
+// keys 16 kk ..), V read MN-major (the instruction transposes it) from the tile `off` bytes
+// past v_cols's.
+template <bool kBf16, int kN>
+__device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
+                                                  uint32_t off) {
+  uint32_t pf[kN / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
+  wgmma::FenceRegisters(o);
+  wgmma::Fence();
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    wgmma::MmaM64N64K16<kBf16, true>(o, pf[kk], wgmma::Advance(v_cols, off + wgmma::kMnMajorStepBytes * kk));
+  }
+  wgmma::Commit();
+  wgmma::Wait<0>();
+  wgmma::FenceRegisters(o);
+}
+
 template <typename scalar_t, typename Walk, int kWarpgroups>
 __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgmmaCfg<kWarpgroups>::kCtasPerSm)
     TiledFwdWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
@@ -389,16 +426,8 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
       const uint32_t stage_off = kbuf - smem_base;
       const int key0 = walk.Start(blk), count = walk.Count(s, blk);
       const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
-      float sc[kN / 8][4];  // S = Q K^T: its first step overwrites, so no zeroing
-      wgmma::Fence();
-      wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0][0], wgmma::Advance(k_rows, stage_off));
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, false>(sc, qf[0][kk], wgmma::Advance(k_rows, stage_off + wgmma::kKMajorStepBytes * kk));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegisters(sc);
+      float sc[kN / 8][4];
+      WgmmaScores<kBf16, D>(sc, qf[0], k_rows, stage_off);
       bool whole_block_rows = false;  // CTA-uniform: each row sees all of the block or none
       if constexpr (Walk::kWholeBlockRows) whole_block_rows = count == kN && walk.RowsSeeWholeBlock(key0, count);
       if (every_row && count == kN) {  // CTA-uniform: no test per score
@@ -418,18 +447,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
             sc, st.o[0], st.m[0], st.l[0], scale_log2,
             [&](int h, int key) { return key >= lo[0][h] && key <= hi[0][h]; }, lane);
       }
-      uint32_t pf[kN / 16][4];  // P's A fragments, k16 step kk = keys 16 kk ..
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
-      wgmma::FenceRegisters(st.o[0]);
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        wgmma::MmaM64N64K16<kBf16, true>(st.o[0], pf[kk], wgmma::Advance(v_cols, stage_off + wgmma::kMnMajorStepBytes * kk));
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegisters(st.o[0]);
+      WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, stage_off);
     }
   };
   WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);
