@@ -7,8 +7,8 @@
 // sequences) the forward runs over shared-memory tiles (smem_fwd::TiledFwdKernel with
 // ChosenBlocksWalk, below). Where they share few (long sequences, small groups) it is
 // key-centric instead: one partial result per selected block, combined per position
-// (selected_block_forward.cuh, UseBlockForward; at head_dim 64 the local blocks go to a tiled
-// pass first, LocalBlocksOnTiledPass). Otherwise, and for the query-side dQ, two
+// (selected_block_forward.cuh, UseBlockForward; at head_dim 64 the local blocks go to a pass
+// of their own first, LocalBlocksOnTheirOwnPass). Otherwise, and for the query-side dQ, two
 // register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
@@ -534,13 +534,13 @@ bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
 // does not grow with the batch (64k, D=128, 6 heads per group: 3.3 GB per element).
 constexpr int64_t kDefaultPartialBytes = int64_t{4} << 30;
 
-// Whether the key-centric forward hands the local blocks to a tiled pass
-// (SelectedKernelChoice::Local): forced, or (auto) at head_dim 64, where the pass runs on
-// warpgroup MMAs. Measured on the H200 at 64k 12:2 (ncu): D64 the block kernel 1.56 -> 1.27
+// Whether the key-centric forward hands the local blocks to a pass of their own (the tiled
+// kernel, or LocalBlocksWgmmaKernel: LocalBlocksOnOwnKernel; SelectedKernelChoice::Local):
+// forced, or (auto) at head_dim 64, where the pass runs on warpgroup MMAs. Measured on the H200 at 64k 12:2 (ncu): D64 the block kernel 1.56 -> 1.27
 // ms and the combine 479 -> 495 us for a 217 us pass (60 us saved; `slc` at 16k 0.70 ->
 // 0.62 ms); D128 3.02 -> 2.46 ms for 548 us on the mma.sync tiled kernel (242 registers, 12%
 // of the warps active) and a combine 35 us slower: no gain.
-bool LocalBlocksOnTiledPass(const Choice& c, const Shape& s) {
+bool LocalBlocksOnTheirOwnPass(const Choice& c, const Shape& s) {
   if (c.local != Choice::Local::kAuto) return c.local != Choice::Local::kInBlocks;
   return s.D == 64;
 }
@@ -566,9 +566,9 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
                                     at::Tensor lse, const Shape& s, const at::Tensor& block_idx, const Geo& g,
                                     const Choice& choice) {
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
-  // The local blocks on the tiled pass: its result goes to out (the combine reads it there
+  // The local blocks on their own pass: its result goes to out (the combine reads it there
   // before it writes the row) and local_lse, and the block map leaves those entries out.
-  const bool local_pass = LocalBlocksOnTiledPass(choice, s);
+  const bool local_pass = LocalBlocksOnTheirOwnPass(choice, s);
   at::Tensor local_lse;
   if (local_pass) {
     local_lse = at::empty_like(lse);
