@@ -46,7 +46,7 @@ constexpr std::pair<const char*, WindowChoice::Backward> kWinBwdNames[] = {
     {"wgmma", WindowChoice::Backward::kWgmma}};
 constexpr std::pair<const char*, TiledChoice::Mma> kTiledMmaNames[] = {
     {"auto", TiledChoice::Mma::kAuto}, {"sync", TiledChoice::Mma::kSync}, {"wgmma", TiledChoice::Mma::kWgmma},
-    {"wgmma1", TiledChoice::Mma::kWgmmaOneWarpgroup}};
+    {"wgmma1", TiledChoice::Mma::kWgmmaOneWarpgroup}, {"wgmma-overlap", TiledChoice::Mma::kWgmmaOverlap}};
 constexpr std::pair<const char*, GemmChoice::Algo> kGemmNames[] = {
     {"auto", GemmChoice::Algo::kAuto}, {"cublas", GemmChoice::Algo::kCublas}, {"tuned", GemmChoice::Algo::kTuned}};
 constexpr std::pair<const char*, CompressedChoice::Map> kCmpMapNames[] = {

@@ -40,5 +40,10 @@ int TiledWgmmaWarpgroups(const at::Tensor& q) {
   return mma == TiledForwardChoice::Mma::kWgmma ? 2 : 1;
 }
 
+bool TiledWgmmaOverlap(bool walk_default) {
+  const auto mma = tiled_choice.load();
+  return mma == TiledForwardChoice::Mma::kWgmmaOverlap || (mma == TiledForwardChoice::Mma::kAuto && walk_default);
+}
+
 }  // namespace smem_fwd
 }  // namespace nsad::nsa::cuda::detail

@@ -243,21 +243,35 @@ inline int TiledPositionsPerCta(int rows, int hq) { return std::min(32, rows / h
 // landed, so it overlaps this block's products), then body(blk, stage address) runs on it.
 // kTensorCores: the stages are read by warpgroup MMAs, so each thread fences its copies for
 // them before the barrier.
-template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk,
-          typename Body>
-__device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
-                                                 const Shape& s, const Walk& walk, int b, int grp, Body&& body) {
-  const int kv_stride = s.G * D;
-  const mma::TileCopyPlan<D, kN, kCtaThreads> plan(kv_stride);
-  const scalar_t* const k_bg = k + KeyOffset(s, b, 0, grp);
-  const scalar_t* const v_bg = v + KeyOffset(s, b, 0, grp);
-  const auto stage = [&](int blk, int buf) {
+// Copies block blk's K and V tiles into stage buf at smem_base (cp.async; the caller commits).
+template <int D, int kN, int kCtaThreads, int kStageBytes, typename scalar_t, typename Walk>
+struct BlockStager {
+  const Shape& s;
+  const Walk& walk;
+  const uint32_t smem_base;
+  const int kv_stride;
+  const mma::TileCopyPlan<D, kN, kCtaThreads> plan;
+  const scalar_t* const k_bg;
+  const scalar_t* const v_bg;
+
+  __device__ __forceinline__ BlockStager(uint32_t smem_base_, const scalar_t* k, const scalar_t* v, const Shape& s_,
+                                         const Walk& walk_, int b, int grp)
+      : s(s_), walk(walk_), smem_base(smem_base_), kv_stride(s_.G * D), plan(kv_stride),
+        k_bg(k + KeyOffset(s_, b, 0, grp)), v_bg(v + KeyOffset(s_, b, 0, grp)) {}
+  __device__ __forceinline__ void operator()(int blk, int buf) const {
     const int64_t first_row = static_cast<int64_t>(walk.Start(blk)) * kv_stride;
     const int count = walk.Count(s, blk);
     const uint32_t dst = smem_base + buf * kStageBytes;
     plan.Issue(dst, k_bg + first_row, count);
     plan.Issue(dst + kN * D * 2, v_bg + first_row, count);
-  };
+  }
+};
+
+template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk,
+          typename Body>
+__device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
+                                                 const Shape& s, const Walk& walk, int b, int grp, Body&& body) {
+  const BlockStager<D, kN, kCtaThreads, kStageBytes, scalar_t, Walk> stage(smem_base, k, v, s, walk, b, grp);
   int blk = walk.First();
   if (blk >= 0) stage(blk, 0);
   mma::CpAsyncCommit();
@@ -270,6 +284,39 @@ __device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scala
     mma::CpAsyncCommit();
     body(blk, smem_base + (it & 1) * kStageBytes);
     blk = nxt;
+  }
+}
+
+// The same walk for a warpgroup kernel that waits for a block's O += P V only after the next
+// block's S = Q K^T went out (TiledFwdWgmmaKernel's kOverlap). Three stages, block i in stage
+// i % 3: while block i's scores run, block i - 1's P V may still read its stage, so block
+// i + 2's copy goes out only after scores(blk, stage) has waited for both and a barrier has
+// seen every warp do so; then rest(blk, stage) runs the softmax and issues P V.
+template <int D, int kN, int kCtaThreads, int kStageBytes, typename scalar_t, typename Walk, typename Scores,
+          typename Rest>
+__device__ __forceinline__ void WalkStagedBlocksOverlapped(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
+                                                           const Shape& s, const Walk& walk, int b, int grp,
+                                                           Scores&& scores, Rest&& rest) {
+  const BlockStager<D, kN, kCtaThreads, kStageBytes, scalar_t, Walk> stage(smem_base, k, v, s, walk, b, grp);
+  int blk = walk.First();
+  int nxt = blk >= 0 ? walk.Next(blk + 1) : -1;
+  if (blk >= 0) stage(blk, 0);
+  mma::CpAsyncCommit();
+  if (nxt >= 0) stage(nxt, 1);
+  mma::CpAsyncCommit();
+  for (int cur = 0; blk >= 0; cur = cur == 2 ? 0 : cur + 1) {
+    const int after = nxt >= 0 ? walk.Next(nxt + 1) : -1;
+    mma::CpAsyncWait<1>();  // this block's group landed; the next block's may be in flight
+    wgmma::FenceProxyAsync();
+    __syncthreads();
+    const uint32_t buf = smem_base + cur * kStageBytes;
+    scores(blk, buf);
+    __syncthreads();  // every warp's previous P V is done: its stage takes block `after`
+    if (after >= 0) stage(after, cur == 0 ? 2 : cur - 1);
+    mma::CpAsyncCommit();
+    rest(blk, buf);
+    blk = nxt;
+    nxt = after;
   }
 }
 
@@ -341,6 +388,10 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 // forced choice that cannot run fails the call.
 constexpr int kTiledWgmmaD = 64;
 int TiledWgmmaWarpgroups(const at::Tensor& q);
+// Whether that one-warpgroup kernel overlaps a block's P V with the next block's Q K^T:
+// forced (TiledForwardChoice::Mma::kWgmmaOverlap), or by default where the walk says it pays
+// (walk_default: the Walk's kOverlapByDefault).
+bool TiledWgmmaOverlap(bool walk_default);
 
 template <int kWarpgroups_>
 struct TiledWgmmaCfg {
@@ -360,9 +411,10 @@ struct TiledWgmmaCfg {
 // forward's local-blocks kernel), each issued and waited for in place.
 // S = Q K^T: Q's A fragments in registers (the warp's 16 rows), K read K-major from the tile
 // `off` bytes past k_rows's (k16 step 0); its first step overwrites, so sc needs no zeroing.
+// WgmmaIssueScores only issues and commits the product; the caller waits.
 template <bool kBf16, int D>
-__device__ __forceinline__ void WgmmaScores(float (&sc)[8][4], const uint32_t (&qf)[D / 16][4], uint64_t k_rows,
-                                            uint32_t off) {
+__device__ __forceinline__ void WgmmaIssueScores(float (&sc)[8][4], const uint32_t (&qf)[D / 16][4], uint64_t k_rows,
+                                                 uint32_t off) {
   wgmma::Fence();
   wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0], wgmma::Advance(k_rows, off));
 #pragma unroll
@@ -370,15 +422,22 @@ __device__ __forceinline__ void WgmmaScores(float (&sc)[8][4], const uint32_t (&
     wgmma::MmaM64N64K16<kBf16, false>(sc, qf[kk], wgmma::Advance(k_rows, off + wgmma::kKMajorStepBytes * kk));
   }
   wgmma::Commit();
+}
+template <bool kBf16, int D>
+__device__ __forceinline__ void WgmmaScores(float (&sc)[8][4], const uint32_t (&qf)[D / 16][4], uint64_t k_rows,
+                                            uint32_t off) {
+  WgmmaIssueScores<kBf16, D>(sc, qf, k_rows, off);
   wgmma::Wait<0>();
   wgmma::FenceRegisters(sc);
 }
 // O += P V: P packed from the softmax's probabilities in sc into A fragments (k16 step kk =
 // keys 16 kk ..), V read MN-major (the instruction transposes it) from the tile `off` bytes
 // past v_cols's.
+// WgmmaIssuePV only issues and commits it (P's fragments must then stay as they are until the
+// caller's wait: ptxas keeps them live).
 template <bool kBf16, int kN>
-__device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
-                                                  uint32_t off) {
+__device__ __forceinline__ void WgmmaIssuePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
+                                             uint32_t off) {
   uint32_t pf[kN / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) mma::PackA<kBf16>(pf[kk], sc[2 * kk], sc[2 * kk + 1]);
@@ -389,23 +448,32 @@ __device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[8][4], const float 
     wgmma::MmaM64N64K16<kBf16, true>(o, pf[kk], wgmma::Advance(v_cols, off + wgmma::kMnMajorStepBytes * kk));
   }
   wgmma::Commit();
+}
+template <bool kBf16, int kN>
+__device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
+                                                  uint32_t off) {
+  WgmmaIssuePV<kBf16, kN>(o, sc, v_cols, off);
   wgmma::Wait<0>();
   wgmma::FenceRegisters(o);
 }
 
-template <typename scalar_t, typename Walk, int kWarpgroups>
+// kOverlap (one warpgroup a CTA, three stages: WalkStagedBlocksOverlapped): a block's O += P V
+// is waited for after the next block's S = Q K^T was issued, so the two run back to back on
+// the tensor cores (FlashAttention-3's overlap); P's fragments stay live meanwhile.
+template <typename scalar_t, typename Walk, int kWarpgroups, bool kOverlap = false>
 __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgmmaCfg<kWarpgroups>::kCtasPerSm)
     TiledFwdWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                         const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse, Shape s,
                         Walk walk, int positions_per_cta, float scale_log2) {
   using Cfg = TiledWgmmaCfg<kWarpgroups>;
-  constexpr int D = Cfg::kD, kN = Cfg::kN;
+  constexpr int D = Cfg::kD, kN = Cfg::kN, kStages = kOverlap ? 3 : 2;
+  static_assert(!kOverlap || kWarpgroups == 1, "the overlapped walk's barriers are the one warpgroup's");
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  extern __shared__ float4 tiled_smem[];  // [slack][2 stages][K tile, V tile], then the walk's data
+  extern __shared__ float4 tiled_smem[];  // [slack][kStages][K tile, V tile], then the walk's data
   const uint32_t raw_base = mma::SmemAddr(tiled_smem);
   const uint32_t smem_base = (raw_base + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
   unsigned char* const walk_smem =
-      reinterpret_cast<unsigned char*>(tiled_smem) + (smem_base - raw_base) + 2 * Cfg::kStageBytes;
+      reinterpret_cast<unsigned char*>(tiled_smem) + (smem_base - raw_base) + kStages * Cfg::kStageBytes;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hq = s.hq();
   const int t0 = static_cast<int>(blockIdx.x) * positions_per_cta;
   const int grp = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
@@ -421,36 +489,75 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
 
   // The first stage's descriptors, worked out once; a block's stage and k-step are an Advance.
   const uint64_t k_rows = wgmma::KMajorTile(smem_base), v_cols = wgmma::MnMajorTile(smem_base + Cfg::kTileBytes);
-  const auto block = [&](int blk, uint32_t kbuf) {
-    if (active) {
-      const uint32_t stage_off = kbuf - smem_base;
-      const int key0 = walk.Start(blk), count = walk.Count(s, blk);
-      const bool every_row = walk.EveryRowSeesAll(blk, key0, count);  // CTA-uniform
-      float sc[kN / 8][4];
-      WgmmaScores<kBf16, D>(sc, qf[0], k_rows, stage_off);
-      bool whole_block_rows = false;  // CTA-uniform: each row sees all of the block or none
-      if constexpr (Walk::kWholeBlockRows) whole_block_rows = count == kN && walk.RowsSeeWholeBlock(key0, count);
-      if (every_row && count == kN) {  // CTA-uniform: no test per score
-        mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
-                                             [](int, int) { return true; }, lane);
-      } else if (whole_block_rows) {
-        bool sees[2] = {false, false};
-        if constexpr (Walk::kWholeBlockRows) {
-          sees[0] = walk.RowSees(blk, lr.pos[0][0]);
-          sees[1] = walk.RowSees(blk, lr.pos[0][1]);
-        }
-        mma::OnlineSoftmaxLazyRescaleRows<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, sees, lane);
-      } else {
-        int lo[1][2], hi[1][2];
-        RowKeyRanges<1>(walk, lr, t0, blk, key0, count, every_row, lo, hi);
-        mma::OnlineSoftmaxLazyRescale<D, kN>(
-            sc, st.o[0], st.m[0], st.l[0], scale_log2,
-            [&](int h, int key) { return key >= lo[0][h] && key <= hi[0][h]; }, lane);
+  // Block blk's keys and which of them the rows see (worked out while its scores run), and
+  // the softmax of those scores in sc with that mask.
+  struct BlockKeys {
+    int key0, count;
+    bool every_row;
+  };
+  const auto keys_of = [&](int blk) {
+    BlockKeys bk;
+    bk.key0 = walk.Start(blk);
+    bk.count = walk.Count(s, blk);
+    bk.every_row = walk.EveryRowSeesAll(blk, bk.key0, bk.count);  // CTA-uniform
+    return bk;
+  };
+  const auto softmax = [&](int blk, const BlockKeys& bk, float (&sc)[kN / 8][4]) {
+    const int key0 = bk.key0, count = bk.count;
+    const bool every_row = bk.every_row;
+    bool whole_block_rows = false;  // CTA-uniform: each row sees all of the block or none
+    if constexpr (Walk::kWholeBlockRows) whole_block_rows = count == kN && walk.RowsSeeWholeBlock(key0, count);
+    if (every_row && count == kN) {  // CTA-uniform: no test per score
+      mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
+                                           [](int, int) { return true; }, lane);
+    } else if (whole_block_rows) {
+      bool sees[2] = {false, false};
+      if constexpr (Walk::kWholeBlockRows) {
+        sees[0] = walk.RowSees(blk, lr.pos[0][0]);
+        sees[1] = walk.RowSees(blk, lr.pos[0][1]);
       }
-      WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, stage_off);
+      mma::OnlineSoftmaxLazyRescaleRows<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2, sees, lane);
+    } else {
+      int lo[1][2], hi[1][2];
+      RowKeyRanges<1>(walk, lr, t0, blk, key0, count, every_row, lo, hi);
+      mma::OnlineSoftmaxLazyRescale<D, kN>(
+          sc, st.o[0], st.m[0], st.l[0], scale_log2,
+          [&](int h, int key) { return key >= lo[0][h] && key <= hi[0][h]; }, lane);
     }
   };
-  WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);
+  if constexpr (kOverlap) {
+    // The CTA's one warpgroup always has rows (a CTA has at least one position), so no step is
+    // behind `active`: ptxas, seeing a path where a P V went out and the next step's wait did
+    // not, serialised every product (C7514).
+    float sc[kN / 8][4];
+    BlockKeys bk;
+    const auto scores = [&](int blk, uint32_t kbuf) {
+      WgmmaIssueScores<kBf16, D>(sc, qf[0], k_rows, kbuf - smem_base);
+      bk = keys_of(blk);
+      wgmma::Wait<0>();  // these scores, and the previous block's P V
+      wgmma::FenceRegisters(sc);
+      wgmma::FenceRegisters(st.o[0]);
+    };
+    const auto rest = [&](int blk, uint32_t kbuf) {
+      softmax(blk, bk, sc);
+      WgmmaIssuePV<kBf16, kN>(st.o[0], sc, v_cols, kbuf - smem_base);
+    };
+    WalkStagedBlocksOverlapped<D, kN, Cfg::kThreads, Cfg::kStageBytes>(smem_base, k, v, s, walk, b, grp, scores, rest);
+    wgmma::Wait<0>();
+    wgmma::FenceRegisters(st.o[0]);
+  } else {
+    const auto block = [&](int blk, uint32_t kbuf) {
+      if (active) {
+        const uint32_t stage_off = kbuf - smem_base;
+        const BlockKeys bk = keys_of(blk);
+        float sc[kN / 8][4];
+        WgmmaScores<kBf16, D>(sc, qf[0], k_rows, stage_off);
+        softmax(blk, bk, sc);
+        WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, stage_off);
+      }
+    };
+    WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);
+  }
   Finish<kBf16, D, 1>(st, out, lse, lr.index, lr.valid, lane);
 }
 
@@ -477,6 +584,11 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
       launch(TiledFwdWgmmaKernel<scalar_t, Walk, W::kWarpgroups>, W::kThreads,
              W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes, W::kRows);
     };
+    if (warpgroups == 1 && TiledWgmmaOverlap(Walk::kOverlapByDefault)) {
+      using W = TiledWgmmaCfg<1>;
+      return launch(TiledFwdWgmmaKernel<scalar_t, Walk, 1, true>, W::kThreads,
+                    W::kAlignSlack + 3 * W::kStageBytes + walk_smem_bytes, W::kRows);
+    }
     if (warpgroups == 1) return launch_wgmma(TiledWgmmaCfg<1>{});
     if (warpgroups == 2) return launch_wgmma(TiledWgmmaCfg<2>{});
   }

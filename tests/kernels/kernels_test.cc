@@ -58,8 +58,15 @@ constexpr int64_t kBatch = 2;
 
 const char* MmaName(cuda::detail::TiledForwardChoice::Mma mma) {
   using Mma = cuda::detail::TiledForwardChoice::Mma;
-  return mma == Mma::kSync ? "mma.sync" : mma == Mma::kWgmma ? "wgmma, two warpgroups" : "wgmma, one warpgroup";
+  if (mma == Mma::kSync) return "mma.sync";
+  if (mma == Mma::kWgmma) return "wgmma, two warpgroups";
+  if (mma == Mma::kWgmmaOverlap) return "wgmma, one warpgroup, P V overlapped";
+  return "wgmma, one warpgroup";
 }
+// Every kind the tiled forward has (the warpgroup ones at head_dim 64 on an sm_90 device).
+constexpr cuda::detail::TiledForwardChoice::Mma kTiledMmaKinds[] = {
+    cuda::detail::TiledForwardChoice::Mma::kSync, cuda::detail::TiledForwardChoice::Mma::kWgmma,
+    cuda::detail::TiledForwardChoice::Mma::kWgmmaOneWarpgroup, cuda::detail::TiledForwardChoice::Mma::kWgmmaOverlap};
 
 class KernelsTest : public testing::TestWithParam<Case> {
  protected:
@@ -1292,7 +1299,7 @@ TEST_P(KernelsTest, TiledForwardOnEachMmaKind) {
   using Mma = cuda::detail::TiledForwardChoice::Mma;
   const Case c = GetParam();
   if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
-  for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+  for (const Mma mma : kTiledMmaKinds) {
     if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
     SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
@@ -1323,7 +1330,7 @@ TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
   const auto own_v = v.repeat_interleave(hq, 2), own_k = k.repeat_interleave(hq, 2);
   const double scale_log2 = 1.0 / std::sqrt(static_cast<double>(c.D)) / std::log(2.0);
   const auto score = (q.to(torch::kDouble) * own_k.to(torch::kDouble)).sum(-1) * scale_log2;
-  for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+  for (const Mma mma : kTiledMmaKinds) {
     if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
     SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
@@ -1363,7 +1370,7 @@ TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
     const auto q32 = q.to(torch::kFloat), k32 = k.to(torch::kFloat), v32 = v.to(torch::kFloat);
     const auto selected_ref = SelectedAttentionReference(q32, k32, v32, idx, geo_);
     const auto window_ref = SlidingWindowAttentionReference(q32, k32, v32, geo_);
-    for (const Mma mma : {Mma::kSync, Mma::kWgmma, Mma::kWgmmaOneWarpgroup}) {
+    for (const Mma mma : kTiledMmaKinds) {
       if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
       SCOPED_TRACE(std::string(rising ? "rising, " : "falling, ") + MmaName(mma));
       const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
