@@ -60,8 +60,8 @@ struct SelectedKernelChoice {
   // the block kernel with the rest (kInBlocks: one partial each), or on a tiled pass over
   // neighbouring positions (kTiledPass: the tiled forward's kernel, one partial for the three,
   // which the combine starts from), or the same split with the pass on a kernel of its own
-  // (kLocalKernel: one CTA per selection block's 64 positions, head_dim 64, 64-key selection
-  // blocks, bf16/fp16 on an sm_90 device). kAuto: the measured default.
+  // (kLocalKernel: one CTA per selection block's 64 positions, head_dim 64 or 128, 64-key
+  // selection blocks, bf16/fp16 on an sm_90 device). kAuto: the measured default.
   enum class Local { kAuto, kInBlocks, kTiledPass, kLocalKernel };
 
   Fwd fwd = Fwd::kAuto;

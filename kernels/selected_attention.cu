@@ -7,8 +7,8 @@
 // sequences) the forward runs over shared-memory tiles (smem_fwd::TiledFwdKernel with
 // ChosenBlocksWalk, below). Where they share few (long sequences, small groups) it is
 // key-centric instead: one partial result per selected block, combined per position
-// (selected_block_forward.cuh, UseBlockForward; at head_dim 64 the local blocks go to a pass
-// of their own first, LocalBlocksOnTheirOwnPass). Otherwise, and for the query-side dQ, two
+// (selected_block_forward.cuh, UseBlockForward; at head_dim 64, and 128 on an sm_90 device,
+// the local blocks go to a pass of their own first, LocalBlocksOnTheirOwnPass). Otherwise, and for the query-side dQ, two
 // register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
@@ -538,27 +538,37 @@ bool UseBlockForward(const Choice& c, const Shape& s, int n, int num_blocks) {
 // does not grow with the batch (64k, D=128, 6 heads per group: 3.3 GB per element).
 constexpr int64_t kDefaultPartialBytes = int64_t{4} << 30;
 
-// Whether the key-centric forward hands the local blocks to a pass of their own (the tiled
-// kernel, or LocalBlocksWgmmaKernel: LocalBlocksOnOwnKernel; SelectedKernelChoice::Local):
-// forced, or (auto) at head_dim 64, where the pass runs on warpgroup MMAs. Measured on the H200 at 64k 12:2 (ncu): D64 the block kernel 1.56 -> 1.27
-// ms and the combine 479 -> 495 us for a 217 us pass (60 us saved; `slc` at 16k 0.70 ->
-// 0.62 ms); D128 3.02 -> 2.46 ms for 548 us on the mma.sync tiled kernel (242 registers, 12%
-// of the warps active) and a combine 35 us slower: no gain.
-bool LocalBlocksOnTheirOwnPass(const Choice& c, const Shape& s) {
-  if (c.local != Choice::Local::kAuto) return c.local != Choice::Local::kInBlocks;
-  return s.D == 64;
+// Whether LocalBlocksWgmmaKernel can run: block_fwd::LocalCfg's shape (head_dim 64 or 128,
+// selection blocks of 64 keys), bf16/fp16, an sm_90 device.
+bool LocalKernelRuns(const at::Tensor& q, const Shape& s, const Geo& g) {
+  return q.scalar_type() != at::kFloat && (s.D == 64 || s.D == 128) && g.slc_block == block_fwd::LocalCfg<64>::kN &&
+         WgmmaRunsHere();
 }
 
-// Whether that pass runs on LocalBlocksWgmmaKernel (block_fwd::LocalCfg's shape: head_dim 64,
-// selection blocks of 64 keys, bf16/fp16, an sm_90 device): forced (a forced choice that
-// cannot run fails the call), or (auto) wherever it runs. H200, 64k D64 12:2 (ncu): 219 us on
-// the tiled pass's kernel -> 156 us (121 registers, 60M instructions against 104M); the
-// selected forward 2.12-2.16 -> 2.05-2.07 ms (nsa_bench --slc-only, PERFORMANCE.md).
+// Whether the key-centric forward hands the local blocks to a pass of their own (the tiled
+// kernel, or LocalBlocksWgmmaKernel: LocalBlocksOnOwnKernel; SelectedKernelChoice::Local):
+// forced, or (auto) at head_dim 64, where the pass runs on warpgroup MMAs (the local kernel,
+// else the tiled one), and at head_dim 128 where the local kernel runs. Measured on the H200
+// at 64k 12:2 (ncu): D64 the block kernel 1.56 -> 1.27 ms and the combine 479 -> 495 us for a
+// 217 us pass on the tiled kernel (60 us saved; `slc` at 16k 0.70 -> 0.62 ms). D128: the
+// block kernel 3.03 -> 2.47 ms and the combine 908 -> 964 us for a 313 us pass on the local
+// kernel (168 registers), `slc` 64k 4.07-4.11 -> 3.86-3.87 ms, 16k 1.15-1.18 -> 1.05 ms; on
+// the mma.sync tiled kernel (548 us, 242 registers) D128 gained nothing.
+bool LocalBlocksOnTheirOwnPass(const Choice& c, const at::Tensor& q, const Shape& s, const Geo& g) {
+  if (c.local != Choice::Local::kAuto) return c.local != Choice::Local::kInBlocks;
+  return s.D == 64 || (s.D == 128 && LocalKernelRuns(q, s, g));
+}
+
+// Whether that pass runs on LocalBlocksWgmmaKernel: forced (a forced choice that cannot run
+// fails the call), or (auto) wherever it runs. H200, 64k D64 12:2 (ncu): 219 us on the tiled
+// pass's kernel -> 156 us (121 registers, 60M instructions against 104M); the selected
+// forward 2.12-2.16 -> 2.05-2.07 ms (nsa_bench --slc-only, PERFORMANCE.md). Waiting for a
+// block's P V only after the next block's Q K^T went out (FlashAttention-3's overlap) gained
+// 1-2 us of 155 (D128 3 of 313) and was not kept.
 bool LocalBlocksOnOwnKernel(const Choice& c, const at::Tensor& q, const Shape& s, const Geo& g) {
-  const bool runs = q.scalar_type() != at::kFloat && s.D == block_fwd::LocalCfg::kD &&
-                    g.slc_block == block_fwd::LocalCfg::kN && WgmmaRunsHere();
+  const bool runs = LocalKernelRuns(q, s, g);
   if (c.local == Choice::Local::kLocalKernel) {
-    TORCH_CHECK(runs, "SelectedKernelChoice: the local-blocks kernel needs bf16/fp16, head_dim 64, selection "
+    TORCH_CHECK(runs, "SelectedKernelChoice: the local-blocks kernel needs bf16/fp16, head_dim 64 or 128, selection "
                       "blocks of 64 keys and an sm_90 device with kernels built for sm_90a");
     return true;
   }
@@ -572,18 +582,16 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
   const int n = static_cast<int>(block_idx.size(3)), NS = (s.T + g.slc_block - 1) / g.slc_block;
   // The local blocks on their own pass: its result goes to out (the combine reads it there
   // before it writes the row) and local_lse, and the block map leaves those entries out.
-  const bool local_pass = LocalBlocksOnTheirOwnPass(choice, s);
+  const bool local_pass = LocalBlocksOnTheirOwnPass(choice, q, s, g);
   at::Tensor local_lse;
   if (local_pass) {
     local_lse = at::empty_like(lse);
     if (LocalBlocksOnOwnKernel(choice, q, s, g)) {
-      if constexpr (D == block_fwd::LocalCfg::kD) {
-        LaunchKernel(block_fwd::LocalBlocksWgmmaKernel<scalar_t>, dim3(static_cast<unsigned>(NS), s.G, s.B),
-                     block_fwd::LocalCfg::kThreads, block_fwd::LocalCfg::kSmemBytes, q.data_ptr<scalar_t>(),
-                     k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                     local_lse.data_ptr<float>(), s, block_idx.data_ptr<int>(), n,
-                     kLog2e / std::sqrt(static_cast<float>(s.D)));
-      }
+      using Cfg = block_fwd::LocalCfg<D>;
+      LaunchKernel(block_fwd::LocalBlocksWgmmaKernel<scalar_t, D>, dim3(static_cast<unsigned>(NS), s.G, s.B),
+                   Cfg::kThreads, Cfg::kSmemBytes, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                   v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), local_lse.data_ptr<float>(), s,
+                   block_idx.data_ptr<int>(), n, kLog2e / std::sqrt(static_cast<float>(s.D)));
     } else {
       const ChosenBlocksWalk<true> walk{block_idx.data_ptr<int>(), n, g.slc_block, NS};
       smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, local_lse, s, walk, walk.SmemBytes(NS));

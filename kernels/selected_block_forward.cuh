@@ -288,24 +288,29 @@ __global__ void __launch_bounds__(256, 4)
 // 64 rows of its warpgroup MMAs (S = Q K^T, online softmax, O += P V, as TiledFwdWgmmaKernel).
 // A row sees a block if its position's selection lists it (bits read once per CTA from
 // block_idx, so a hand-made selection without its local blocks is followed too), and in block
-// c only the causal keys. Out and lse as the tiled pass writes them.
+// c only the causal keys. Out and lse as the tiled pass writes them. At D = 128 each K and V
+// tile is two [64][64] halves (smem_fwd::kWgmmaHalfBytes) and O two m64n64 products.
+template <int D>
 struct LocalCfg {
-  static constexpr int kD = 64, kN = 64;           // head_dim, keys per block (= selection block)
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kN = 64;                    // keys per block (= selection block)
   static constexpr int kThreads = wgmma::kWarpgroupThreads;
-  static constexpr int kTileBytes = kN * kD * 2;   // 8 KB: a multiple of the swizzle's 1 KB
+  static constexpr int kTileBytes = kN * D * 2;    // 8 or 16 KB: a multiple of the swizzle's 1 KB
   static constexpr int kBlocks = 3;                // 0, c - 1, c
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
   static constexpr int kSmemBytes = kAlignSlack + kBlocks * 2 * kTileBytes;
+  // D = 64: four CTAs an SM (128 registers, 4 x 49 KB of shared memory), as the tiled pass's
+  // kernel. D = 128 holds twice Q's fragments and O's accumulators: two (97 KB each).
+  static constexpr int kMinCtas = D == 64 ? 4 : 2;
 };
 
-// Four CTAs an SM (128 registers, 4 x 49 KB of shared memory), as the tiled pass's kernel.
-template <typename scalar_t>
-__global__ void __launch_bounds__(LocalCfg::kThreads, 4)
+template <typename scalar_t, int D>
+__global__ void __launch_bounds__(LocalCfg<D>::kThreads, LocalCfg<D>::kMinCtas)
     LocalBlocksWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                            const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse,
                            Shape s, const int* __restrict__ block_idx, int n, float scale_log2) {
-  using Cfg = LocalCfg;
-  constexpr int D = Cfg::kD, kN = Cfg::kN;
+  using Cfg = LocalCfg<D>;
+  constexpr int kN = Cfg::kN;
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float4 local_smem[];  // [slack][block j: K tile, V tile]
   const uint32_t raw_base = mma::SmemAddr(local_smem);
@@ -319,11 +324,15 @@ __global__ void __launch_bounds__(LocalCfg::kThreads, 4)
   // stack (ptxas).
   const int count = c == 0 ? 1 : c == 1 ? 2 : 3;
   const auto block_at = [&](int j) { return j == 0 ? 0 : j == count - 1 ? c : c - 1; };
-  const mma::TileCopyPlan<D, kN, Cfg::kThreads> plan(s.G * D);
+  const mma::TileCopyPlan<64, kN, Cfg::kThreads> plan(s.G * D);  // one [64][64] half
   for (int j = 0; j < count; ++j) {
     const int first = block_at(j) * kN, keys = min(kN, s.T - first);
-    plan.Issue(base + j * 2 * Cfg::kTileBytes, k + KeyOffset(s, b, first, grp), keys);
-    plan.Issue(base + j * 2 * Cfg::kTileBytes + Cfg::kTileBytes, v + KeyOffset(s, b, first, grp), keys);
+#pragma unroll
+    for (int half = 0; half < D / 64; ++half) {
+      const uint32_t dst = base + j * 2 * Cfg::kTileBytes + half * smem_fwd::kWgmmaHalfBytes;
+      plan.Issue(dst, k + KeyOffset(s, b, first, grp) + 64 * half, keys);
+      plan.Issue(dst + Cfg::kTileBytes, v + KeyOffset(s, b, first, grp) + 64 * half, keys);
+    }
   }
   mma::CpAsyncCommit();
 
@@ -381,7 +390,7 @@ __global__ void __launch_bounds__(LocalCfg::kThreads, 4)
         mma::OnlineSoftmaxLazyRescale<D, kN>(sc, st.o[0], st.m[0], st.l[0], scale_log2,
                                              [&](int h, int key) { return key <= last[h]; }, lane);
       }
-      smem_fwd::WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, off);
+      smem_fwd::WgmmaAccumulatePV<kBf16, kN, D>(st.o[0], sc, v_cols, off);
     }
     smem_fwd::Finish<kBf16, D, 1>(st, out, lse, index, row_valid, lane);
   }

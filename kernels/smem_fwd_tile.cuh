@@ -408,18 +408,23 @@ struct TiledWgmmaCfg {
 };
 
 // A warpgroup's two products for one staged 64-key tile (TiledFwdWgmmaKernel, and the selected
-// forward's local-blocks kernel), each issued and waited for in place.
+// forward's local-blocks kernel), each issued and waited for in place. A tile of 64 rows is
+// staged as D / 64 [64][64] halves in the 128-byte swizzle, kWgmmaHalfBytes apart (one at D =
+// 64; at D = 128 a row's two 64-column halves, as selected_dkdv_wgmma.cuh stages them).
+constexpr uint32_t kWgmmaHalfBytes = 64 * 64 * 2;
 // S = Q K^T: Q's A fragments in registers (the warp's 16 rows), K read K-major from the tile
 // `off` bytes past k_rows's (k16 step 0); its first step overwrites, so sc needs no zeroing.
 // WgmmaIssueScores only issues and commits the product; the caller waits.
 template <bool kBf16, int D>
 __device__ __forceinline__ void WgmmaIssueScores(float (&sc)[8][4], const uint32_t (&qf)[D / 16][4], uint64_t k_rows,
                                                  uint32_t off) {
+  // k16 step kk: half kk / 4, 16 columns further along its rows per step.
+  const auto step = [&](int kk) { return off + (kk / 4) * kWgmmaHalfBytes + wgmma::kKMajorStepBytes * (kk % 4); };
   wgmma::Fence();
   wgmma::MmaM64N64K16<kBf16, false, true>(sc, qf[0], wgmma::Advance(k_rows, off));
 #pragma unroll
   for (int kk = 1; kk < D / 16; ++kk) {
-    wgmma::MmaM64N64K16<kBf16, false>(sc, qf[kk], wgmma::Advance(k_rows, off + wgmma::kKMajorStepBytes * kk));
+    wgmma::MmaM64N64K16<kBf16, false>(sc, qf[kk], wgmma::Advance(k_rows, step(kk)));
   }
   wgmma::Commit();
 }
@@ -432,11 +437,11 @@ __device__ __forceinline__ void WgmmaScores(float (&sc)[8][4], const uint32_t (&
 }
 // O += P V: P packed from the softmax's probabilities in sc into A fragments (k16 step kk =
 // keys 16 kk ..), V read MN-major (the instruction transposes it) from the tile `off` bytes
-// past v_cols's.
+// past v_cols's; O's columns 64 h .. 64 h + 63 (accumulators o[8 h ..]) from V's half h.
 // WgmmaIssuePV only issues and commits it (P's fragments must then stay as they are until the
 // caller's wait: ptxas keeps them live).
-template <bool kBf16, int kN>
-__device__ __forceinline__ void WgmmaIssuePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
+template <bool kBf16, int kN, int D>
+__device__ __forceinline__ void WgmmaIssuePV(float (&o)[D / 8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
                                              uint32_t off) {
   uint32_t pf[kN / 16][4];
 #pragma unroll
@@ -444,15 +449,20 @@ __device__ __forceinline__ void WgmmaIssuePV(float (&o)[8][4], const float (&sc)
   wgmma::FenceRegisters(o);
   wgmma::Fence();
 #pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) {
-    wgmma::MmaM64N64K16<kBf16, true>(o, pf[kk], wgmma::Advance(v_cols, off + wgmma::kMnMajorStepBytes * kk));
+  for (int h = 0; h < D / 64; ++h) {
+    float(&oh)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8 * h]);
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      wgmma::MmaM64N64K16<kBf16, true>(oh, pf[kk],
+                                       wgmma::Advance(v_cols, off + h * kWgmmaHalfBytes + wgmma::kMnMajorStepBytes * kk));
+    }
   }
   wgmma::Commit();
 }
-template <bool kBf16, int kN>
-__device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[8][4], const float (&sc)[kN / 8][4], uint64_t v_cols,
-                                                  uint32_t off) {
-  WgmmaIssuePV<kBf16, kN>(o, sc, v_cols, off);
+template <bool kBf16, int kN, int D>
+__device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[D / 8][4], const float (&sc)[kN / 8][4],
+                                                  uint64_t v_cols, uint32_t off) {
+  WgmmaIssuePV<kBf16, kN, D>(o, sc, v_cols, off);
   wgmma::Wait<0>();
   wgmma::FenceRegisters(o);
 }
@@ -540,7 +550,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
     };
     const auto rest = [&](int blk, uint32_t kbuf) {
       softmax(blk, bk, sc);
-      WgmmaIssuePV<kBf16, kN>(st.o[0], sc, v_cols, kbuf - smem_base);
+      WgmmaIssuePV<kBf16, kN, D>(st.o[0], sc, v_cols, kbuf - smem_base);
     };
     WalkStagedBlocksOverlapped<D, kN, Cfg::kThreads, Cfg::kStageBytes>(smem_base, k, v, s, walk, b, grp, scores, rest);
     wgmma::Wait<0>();
@@ -553,7 +563,7 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgm
         float sc[kN / 8][4];
         WgmmaScores<kBf16, D>(sc, qf[0], k_rows, stage_off);
         softmax(blk, bk, sc);
-        WgmmaAccumulatePV<kBf16, kN>(st.o[0], sc, v_cols, stage_off);
+        WgmmaAccumulatePV<kBf16, kN, D>(st.o[0], sc, v_cols, stage_off);
       }
     };
     WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);

@@ -365,9 +365,9 @@ TEST_P(KernelsTest, SelectedForwardFollowsASelectionWithoutLocalBlocks) {
   std::vector<std::pair<const char*, Choice>> forwards = {
       {"in the block kernel", blocks_with(Choice::Local::kInBlocks)},
       {"on the tiled pass", blocks_with(Choice::Local::kTiledPass)}};
-  // The pass's own kernel runs at head_dim 64 with 64-key selection blocks on an sm_90
+  // The pass's own kernel runs at head_dim 64 and 128 with 64-key selection blocks on an sm_90
   // device; elsewhere a forced choice of it fails the call.
-  const bool own_kernel_runs = c.D == 64 && geo_.slc_block == 64 && cuda::detail::WgmmaRunsHere();
+  const bool own_kernel_runs = geo_.slc_block == 64 && cuda::detail::WgmmaRunsHere();
   if (own_kernel_runs) {
     forwards.push_back({"on its own kernel", blocks_with(Choice::Local::kLocalKernel)});
   } else {
