@@ -143,15 +143,17 @@ WindowKernelChoice GetWindowKernelChoice();
 
 // The matrix instructions of the tiled forward (smem_fwd_tile.cuh), which runs the selected
 // branch's tiled forward and the sliding-window forward: kWgmma the warpgroup MMAs of
-// TiledFwdWgmmaKernel (sm_90a, bf16/fp16, head_dim 64), kSync mma.sync (TiledFwdKernel, the
-// path before). kAuto takes the one-warpgroup wgmma kernel wherever it can run: overlapped for
-// the window forward, not for the selected one (the walks' kOverlapByDefault).
+// TiledFwdWgmmaKernel (sm_90a, bf16/fp16, head_dim 64, and 128 with one warpgroup), kSync
+// mma.sync (TiledFwdKernel, the path before). kAuto takes the one-warpgroup wgmma kernel
+// wherever it can run: overlapped for the window forward and at head_dim 128, not for the
+// selected forward at 64 (the walks' kOverlapByDefault).
 struct TiledForwardChoice {
-  // kWgmmaOneWarpgroup (auto's for the selected forward): CTAs of one warpgroup (64 rows),
-  // four per SM, each on its own barrier; kWgmma: CTAs of two (128 rows) that share each
-  // staged block but meet at every block's barrier (kept for A/B timings; measured slower,
-  // docs/PERFORMANCE.md); kWgmmaOverlap (auto's for the window forward): one warpgroup, each
-  // block's P V waited for after the next block's Q K^T went out (three K/V stages).
+  // kWgmmaOneWarpgroup (auto's for the selected forward at D64): CTAs of one warpgroup (64
+  // rows), four per SM (two at D128), each on its own barrier; kWgmma (D64 only): CTAs of two
+  // (128 rows) that share each staged block but meet at every block's barrier (kept for A/B
+  // timings; measured slower, docs/PERFORMANCE.md); kWgmmaOverlap (auto's elsewhere): one
+  // warpgroup, each block's P V waited for after the next block's Q K^T went out (three K/V
+  // stages).
   enum class Mma { kAuto, kSync, kWgmma, kWgmmaOneWarpgroup, kWgmmaOverlap };
   Mma mma = Mma::kAuto;
 };

@@ -375,9 +375,10 @@ struct ChosenBlocksWalk {
   // A block wholly before the CTA's first position: each row sees all of it (its position
   // chose it) or none (CTA-uniform), so the forward tests rows, not scores (RowSees).
   static constexpr bool kWholeBlockRows = true;
-  // Not overlapped by default (TiledWgmmaOverlap): the overlapped walk spills 32 bytes here
-  // (ptxas), and on the H200 (ncu, D64 12:2) the kernel went 372-374 -> 401-403 us at B16
-  // T2048 (the selected forward at B1 T2048 0.051-0.052 -> 0.055-0.058 ms).
+  // Not overlapped by default at D64 (TiledWgmmaOverlap; at D128 it is, LaunchTiledForward):
+  // the overlapped walk spills 32 bytes there (ptxas), and on the H200 (ncu, D64 12:2) the
+  // kernel went 372-374 -> 401-403 us at B16 T2048 (the selected forward at B1 T2048
+  // 0.051-0.052 -> 0.055-0.058 ms).
   static constexpr bool kOverlapByDefault = false;
   __device__ bool RowsSeeWholeBlock(int key0, int count) const { return key0 + count - 1 <= t0; }
   __device__ bool RowSees(int blk, int pos) const { return ((Mask(blk) >> pos) & 1u) != 0u; }

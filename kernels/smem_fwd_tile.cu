@@ -29,13 +29,20 @@ TiledForwardChoice GetTiledForwardChoice() { return {tiled_choice.load()}; }
 
 namespace smem_fwd {
 
+bool TiledWgmmaRuns(const at::Tensor& q) {
+  return q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128) && WgmmaRunsHere();
+}
+
 int TiledWgmmaWarpgroups(const at::Tensor& q) {
   const auto mma = tiled_choice.load();
   if (mma == TiledForwardChoice::Mma::kSync) return 0;
-  const bool applies = q.scalar_type() != at::kFloat && q.size(3) == kTiledWgmmaD && WgmmaRunsHere();
+  const int64_t D = q.size(3);
+  const bool applies = TiledWgmmaRuns(q);
   TORCH_CHECK(mma == TiledForwardChoice::Mma::kAuto || applies,
-              "TiledForwardChoice: the warpgroup-MMA tiled forward takes bf16/fp16 with head_dim 64 on an sm_90 "
-              "device (kernels built for sm_90a)");
+              "TiledForwardChoice: the warpgroup-MMA tiled forward takes bf16/fp16 with head_dim 64 or 128 on an "
+              "sm_90 device (kernels built for sm_90a)");
+  TORCH_CHECK(mma != TiledForwardChoice::Mma::kWgmma || D == 64,
+              "TiledForwardChoice: the two-warpgroup tiled forward takes head_dim 64 only, got ", D);
   if (!applies) return 0;
   return mma == TiledForwardChoice::Mma::kWgmma ? 2 : 1;
 }

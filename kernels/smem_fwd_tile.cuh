@@ -238,19 +238,17 @@ struct TiledCfg {
 // position in one CTA, at most 32 positions (one bit each in the walks' masks).
 inline int TiledPositionsPerCta(int rows, int hq) { return std::min(32, rows / hq); }
 
-// The block walk both tiled kernels share: each of the walk's blocks is staged into one of two
-// stages at smem_base (K tile, then V tile; the next block's copy issued once this one has
-// landed, so it overlaps this block's products), then body(blk, stage address) runs on it.
-// kTensorCores: the stages are read by warpgroup MMAs, so each thread fences its copies for
-// them before the barrier.
 // Copies block blk's K and V tiles into stage buf at smem_base (cp.async; the caller commits).
-template <int D, int kN, int kCtaThreads, int kStageBytes, typename scalar_t, typename Walk>
+// kTensorCores: tiles for warpgroup MMAs, D / 64 [kN][64] halves in the 128-byte swizzle
+// (kWgmmaHalfBytes apart); else one [kN][D] tile for ldmatrix.
+template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk>
 struct BlockStager {
+  static constexpr int kCols = kTensorCores ? 64 : D;  // columns of one staged piece
   const Shape& s;
   const Walk& walk;
   const uint32_t smem_base;
   const int kv_stride;
-  const mma::TileCopyPlan<D, kN, kCtaThreads> plan;
+  const mma::TileCopyPlan<kCols, kN, kCtaThreads> plan;
   const scalar_t* const k_bg;
   const scalar_t* const v_bg;
 
@@ -262,16 +260,26 @@ struct BlockStager {
     const int64_t first_row = static_cast<int64_t>(walk.Start(blk)) * kv_stride;
     const int count = walk.Count(s, blk);
     const uint32_t dst = smem_base + buf * kStageBytes;
-    plan.Issue(dst, k_bg + first_row, count);
-    plan.Issue(dst + kN * D * 2, v_bg + first_row, count);
+#pragma unroll
+    for (int piece = 0; piece < D / kCols; ++piece) {
+      const uint32_t piece_dst = dst + piece * kN * kCols * 2;
+      plan.Issue(piece_dst, k_bg + first_row + piece * kCols, count);
+      plan.Issue(piece_dst + kN * D * 2, v_bg + first_row + piece * kCols, count);
+    }
   }
 };
 
+// The block walk both tiled kernels share: each of the walk's blocks is staged into one of two
+// stages at smem_base (K tile, then V tile; the next block's copy issued once this one has
+// landed, so it overlaps this block's products), then body(blk, stage address) runs on it.
+// kTensorCores: the stages are read by warpgroup MMAs, so each thread fences its copies for
+// them before the barrier.
 template <int D, int kN, int kCtaThreads, int kStageBytes, bool kTensorCores, typename scalar_t, typename Walk,
           typename Body>
 __device__ __forceinline__ void WalkStagedBlocks(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
                                                  const Shape& s, const Walk& walk, int b, int grp, Body&& body) {
-  const BlockStager<D, kN, kCtaThreads, kStageBytes, scalar_t, Walk> stage(smem_base, k, v, s, walk, b, grp);
+  const BlockStager<D, kN, kCtaThreads, kStageBytes, kTensorCores, scalar_t, Walk> stage(smem_base, k, v, s, walk,
+                                                                                        b, grp);
   int blk = walk.First();
   if (blk >= 0) stage(blk, 0);
   mma::CpAsyncCommit();
@@ -297,7 +305,7 @@ template <int D, int kN, int kCtaThreads, int kStageBytes, typename scalar_t, ty
 __device__ __forceinline__ void WalkStagedBlocksOverlapped(uint32_t smem_base, const scalar_t* k, const scalar_t* v,
                                                            const Shape& s, const Walk& walk, int b, int grp,
                                                            Scores&& scores, Rest&& rest) {
-  const BlockStager<D, kN, kCtaThreads, kStageBytes, scalar_t, Walk> stage(smem_base, k, v, s, walk, b, grp);
+  const BlockStager<D, kN, kCtaThreads, kStageBytes, true, scalar_t, Walk> stage(smem_base, k, v, s, walk, b, grp);
   int blk = walk.First();
   int nxt = blk >= 0 ? walk.Next(blk + 1) : -1;
   if (blk >= 0) stage(blk, 0);
@@ -367,41 +375,45 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 }
 
 // ---------------------------------------------------------------------------------------
-// The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64): kWarpgroups of 64
-// rows each, so a CTA owns kRows = 64 or 128 rows (one warpgroup is the default: four
+// The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64 or 128): kWarpgroups of
+// 64 rows each, so a CTA owns kRows = 64 or 128 rows (one warpgroup is the default: four
 // independent CTAs per SM overlap each other's phases better than two whose warpgroups meet
-// at every block's barrier). Row r of the CTA is warp r / 16's row (LaneRows<1> with the
+// at every block's barrier; at D = 128 one warpgroup only, two CTAs an SM). Row r of the CTA is warp r / 16's row (LaneRows<1> with the
 // CTA's warp index): warpgroup r / 64, its m16 tile (r % 64) / 16. Per block, each warpgroup
-//   S = Q K^T    four m64n64k16 steps, Q's A fragments in registers, K read by the tensor
-//                cores from the staged tile (K-major);
+//   S = Q K^T    D / 16 m64n64k16 steps, Q's A fragments in registers, K read by the tensor
+//                cores from the staged tile (K-major, D / 64 halves);
 //   softmax      the online softmax on S's fragments (same layout as mma.sync's) with the
 //                lazy rescale (mma::OnlineSoftmaxLazyRescale); its mask per score, per row
 //                (the walk's kWholeBlockRows blocks), or none (blocks every row sees whole);
-//   O += P V     four steps, P packed from S in registers, V read from the staged tile
-//                MN-major (the instruction transposes it).
+//   O += P V     four steps per 64 columns of O, P packed from S in registers, V read from
+//                the staged tile MN-major (the instruction transposes it).
 // The copies stay cp.async (double buffered, as above), fenced for the tensor cores' reads.
 // The four warps of a warpgroup issue each MMA together, so a warpgroup with no valid row
 // skips the products as a whole; one with some valid rows computes the invalid ones on Q = 0.
 // Whether the tiled forward of q runs TiledFwdWgmmaKernel, and with CTAs of how many
 // warpgroups (TiledForwardChoice, kernel_choice.h): 0 for mma.sync; by default one wherever
-// the kernel can run (bf16/fp16, head_dim 64, an sm_90 device, kernels built for sm_90a). A
-// forced choice that cannot run fails the call.
-constexpr int kTiledWgmmaD = 64;
+// the kernel can run (bf16/fp16, head_dim 64 or 128 (one warpgroup only), an sm_90 device,
+// kernels built for sm_90a). A forced choice that cannot run fails the call.
 int TiledWgmmaWarpgroups(const at::Tensor& q);
+// Whether TiledFwdWgmmaKernel can run for q at all (the rule above, whatever is forced).
+bool TiledWgmmaRuns(const at::Tensor& q);
 // Whether that one-warpgroup kernel overlaps a block's P V with the next block's Q K^T:
 // forced (TiledForwardChoice::Mma::kWgmmaOverlap), or by default where the walk says it pays
 // (walk_default: the Walk's kOverlapByDefault).
 bool TiledWgmmaOverlap(bool walk_default);
 
-template <int kWarpgroups_>
+template <int kWarpgroups_, int D_ = 64>
 struct TiledWgmmaCfg {
-  static constexpr int kD = kTiledWgmmaD;
+  static_assert(D_ == 64 || (D_ == 128 && kWarpgroups_ == 1), "head_dim 64, or 128 with one warpgroup");
+  static constexpr int kD = D_;
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kThreads = kWarpgroups * wgmma::kWarpgroupThreads;
   static constexpr int kRows = 64 * kWarpgroups;
-  static constexpr int kCtasPerSm = 4 / kWarpgroups;  // 128 registers a thread
+  // D = 64: 128 registers a thread. D = 128 holds twice Q's fragments and O's accumulators
+  // (as the local-blocks kernel: about 170 registers) and 32 KB stages: two CTAs.
+  static constexpr int kCtasPerSm = D_ == 64 ? 4 / kWarpgroups : 2;
   static constexpr int kN = 64;
-  static constexpr int kTileBytes = kN * kD * 2;     // 8 KB: a multiple of the swizzle's 1 KB
+  static constexpr int kTileBytes = kN * kD * 2;     // 8 or 16 KB: a multiple of the swizzle's 1 KB
   static constexpr int kStageBytes = 2 * kTileBytes;  // K and V
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB.
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
@@ -470,12 +482,13 @@ __device__ __forceinline__ void WgmmaAccumulatePV(float (&o)[D / 8][4], const fl
 // kOverlap (one warpgroup a CTA, three stages: WalkStagedBlocksOverlapped): a block's O += P V
 // is waited for after the next block's S = Q K^T was issued, so the two run back to back on
 // the tensor cores (FlashAttention-3's overlap); P's fragments stay live meanwhile.
-template <typename scalar_t, typename Walk, int kWarpgroups, bool kOverlap = false>
-__global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups>::kThreads, TiledWgmmaCfg<kWarpgroups>::kCtasPerSm)
+template <typename scalar_t, typename Walk, int kWarpgroups, bool kOverlap, int kHeadDim>
+__global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups, kHeadDim>::kThreads,
+                                  TiledWgmmaCfg<kWarpgroups, kHeadDim>::kCtasPerSm)
     TiledFwdWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                         const scalar_t* __restrict__ v, scalar_t* __restrict__ out, float* __restrict__ lse, Shape s,
                         Walk walk, int positions_per_cta, float scale_log2) {
-  using Cfg = TiledWgmmaCfg<kWarpgroups>;
+  using Cfg = TiledWgmmaCfg<kWarpgroups, kHeadDim>;
   constexpr int D = Cfg::kD, kN = Cfg::kN, kStages = kOverlap ? 3 : 2;
   static_assert(!kOverlap || kWarpgroups == 1, "the overlapped walk's barriers are the one warpgroup's");
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -578,7 +591,7 @@ template <typename scalar_t, int D, typename Walk>
 void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const Shape& s, const Walk& walk, int walk_smem_bytes) {
   using Cfg = TiledCfg<D>;
-  const int warpgroups = TiledWgmmaWarpgroups(q);  // 0 (mma.sync) but at D = 64; a forced choice that cannot run throws
+  const int warpgroups = TiledWgmmaWarpgroups(q);  // 0: mma.sync; a forced choice that cannot run throws
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
   // The grid follows the launched kernel's rows per CTA.
   const auto launch = [&](auto kernel, int threads, int smem, int rows) {
@@ -588,19 +601,22 @@ void LaunchTiledForward(const at::Tensor& q, const at::Tensor& k, const at::Tens
     LaunchKernel(kernel, grid, threads, smem, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                  out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, walk, per_cta, scale_log2);
   };
-  if constexpr (D == kTiledWgmmaD) {
-    const auto launch_wgmma = [&](auto cfg) {
+  if constexpr (D == 64 || D == 128) {
+    const auto launch_wgmma = [&](auto cfg, auto overlap) {
       using W = decltype(cfg);
-      launch(TiledFwdWgmmaKernel<scalar_t, Walk, W::kWarpgroups>, W::kThreads,
-             W::kAlignSlack + 2 * W::kStageBytes + walk_smem_bytes, W::kRows);
+      constexpr bool kOverlap = decltype(overlap)::value;
+      launch(TiledFwdWgmmaKernel<scalar_t, Walk, W::kWarpgroups, kOverlap, D>, W::kThreads,
+             W::kAlignSlack + (kOverlap ? 3 : 2) * W::kStageBytes + walk_smem_bytes, W::kRows);
     };
-    if (warpgroups == 1 && TiledWgmmaOverlap(Walk::kOverlapByDefault)) {
-      using W = TiledWgmmaCfg<1>;
-      return launch(TiledFwdWgmmaKernel<scalar_t, Walk, 1, true>, W::kThreads,
-                    W::kAlignSlack + 3 * W::kStageBytes + walk_smem_bytes, W::kRows);
+    // At D = 128 the overlap also won for the selected walk (H200, D128 12:2, nsa_bench `slc`
+    // forward: B16 T2048 0.667-0.671 -> 0.653-0.655 ms, B1 T2048 0.072-0.074 -> 0.066-0.067).
+    if (warpgroups == 1 && TiledWgmmaOverlap(Walk::kOverlapByDefault || D == 128)) {
+      return launch_wgmma(TiledWgmmaCfg<1, D>{}, std::true_type{});
     }
-    if (warpgroups == 1) return launch_wgmma(TiledWgmmaCfg<1>{});
-    if (warpgroups == 2) return launch_wgmma(TiledWgmmaCfg<2>{});
+    if (warpgroups == 1) return launch_wgmma(TiledWgmmaCfg<1, D>{}, std::false_type{});
+    if constexpr (D == 64) {
+      if (warpgroups == 2) return launch_wgmma(TiledWgmmaCfg<2>{}, std::false_type{});
+    }
   }
   launch(TiledFwdKernel<scalar_t, D, Walk>, Cfg::kThreads, 2 * Cfg::kStageBytes + walk_smem_bytes, Cfg::kRows);
 }

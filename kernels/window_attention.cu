@@ -46,8 +46,8 @@ struct WindowWalk {
   }
   static constexpr bool kWholeBlockRows = false;  // rows see ranges of a block (see ChosenBlocksWalk)
   // The one-warpgroup wgmma kernel waits for a block's P V after the next block's Q K^T by
-  // default (TiledWgmmaOverlap). H200, 12:2 D64 (ncu): 64k 386 -> 355 us, 4k 31.8 -> 29.7 us,
-  // B16 T2048 183 -> 169-171 us.
+  // default (TiledWgmmaOverlap). H200, 12:2 (ncu): D64 64k 386 -> 355 us, 4k 31.8 -> 29.7 us,
+  // B16 T2048 183 -> 169-171 us; D128 64k 716-717 -> 684 us.
   static constexpr bool kOverlapByDefault = true;
   // Block-relative keys [lo, hi] that row t sees: keys (t - window, t].
   __device__ void RowKeys(int, int, int t, int key0, int count, int& lo, int& hi) const {
@@ -133,17 +133,22 @@ WindowKernelChoice GetWindowKernelChoice() {
   return {window_forward.load(), window_backward.load(), window_queries_per_item.load()};
 }
 
-// Auto takes the tiled forward at head_dim 64 only. Measured on H100 (nsa_bench window
-// forward, ms, FlashAttention-2 -> tiled): B16 T2048 D64 12:2 0.479 -> 0.307, 64:4 2.626 ->
+// Auto takes the tiled forward at head_dim 64, and at 128 where it runs on warpgroup MMAs
+// (smem_fwd::TiledWgmmaRuns). Measured on H100 (nsa_bench window forward, ms,
+// FlashAttention-2 -> tiled on mma.sync): B16 T2048 D64 12:2 0.479 -> 0.307, 64:4 2.626 ->
 // 1.446, 64k D64 12:2 1.109 -> 0.644, 64:4 5.970 -> 3.184; but D128 12:2 0.507 -> 0.561 and
 // 64:4 2.515 -> 2.713 (one m16 tile per warp there: twice the shared-memory reads per product).
+// On the H200, D128 12:2, FlashAttention-2 -> the overlapped one-warpgroup wgmma kernel: 64k
+// 1.028-1.049 -> 0.689-0.699, 16k 0.291-0.292 -> 0.184-0.191, B16 T2048 0.518-0.530 ->
+// 0.321-0.325 (mma.sync: 1.018-1.026, 0.266-0.273, 0.472-0.474).
 bool UseTiledWindowForward(const at::Tensor& q) {
   const auto forward = window_forward.load();
   const bool applies = q.scalar_type() != at::kFloat && (q.size(3) == 64 || q.size(3) == 128);
   TORCH_CHECK(forward != WindowKernelChoice::Forward::kTiled || applies,
               "WindowKernelChoice: the tiled window forward takes bf16/fp16 with head_dim 64 or 128");
   return forward == WindowKernelChoice::Forward::kTiled ||
-         (forward == WindowKernelChoice::Forward::kAuto && applies && q.size(3) == 64);
+         (forward == WindowKernelChoice::Forward::kAuto && applies &&
+          (q.size(3) == 64 || smem_fwd::TiledWgmmaRuns(q)));
 }
 
 std::tuple<at::Tensor, at::Tensor> WindowForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

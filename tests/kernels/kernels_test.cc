@@ -67,6 +67,13 @@ const char* MmaName(cuda::detail::TiledForwardChoice::Mma mma) {
 constexpr cuda::detail::TiledForwardChoice::Mma kTiledMmaKinds[] = {
     cuda::detail::TiledForwardChoice::Mma::kSync, cuda::detail::TiledForwardChoice::Mma::kWgmma,
     cuda::detail::TiledForwardChoice::Mma::kWgmmaOneWarpgroup, cuda::detail::TiledForwardChoice::Mma::kWgmmaOverlap};
+// Whether a kind runs at head_dim D here: mma.sync everywhere (bf16/fp16), the warpgroup kinds
+// on an sm_90 device at head_dim 64, and at 128 all but the two-warpgroup one.
+bool TiledMmaRuns(cuda::detail::TiledForwardChoice::Mma mma, int64_t D) {
+  using Mma = cuda::detail::TiledForwardChoice::Mma;
+  if (mma == Mma::kSync) return true;
+  return cuda::detail::WgmmaRunsHere() && (D == 64 || (D == 128 && mma != Mma::kWgmma));
+}
 
 class KernelsTest : public testing::TestWithParam<Case> {
  protected:
@@ -993,6 +1000,23 @@ TEST_P(KernelsTest, SlidingWindowTiledForward) {
   CheckSlidingWindow();
 }
 
+// The default window forward is the tiled one at head_dim 64, and at 128 where the warpgroup
+// kernel runs (an sm_90 device; FlashAttention-2 there before): the dispatch says so, and the
+// output is bit for bit the forced tiled forward's.
+TEST_P(KernelsTest, SlidingWindowAutoTakesTheTiledForward) {
+  using Win = cuda::detail::WindowKernelChoice;
+  const Case c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "fp32 has the masked path only";
+  if (c.D == 128 && !cuda::detail::WgmmaRunsHere()) GTEST_SKIP() << "D128: FlashAttention-2 off sm_90";
+  const auto q = torch::randn({kBatch, c.T, c.H, c.D}, Opts());
+  const auto k = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  const auto v = torch::randn({kBatch, c.T, c.G, c.D}, Opts());
+  EXPECT_TRUE(cuda::detail::UseTiledWindowForward(q));
+  const auto by_default = cuda::SlidingWindowAttention(q, k, v, geo_);
+  const cuda::detail::ScopedWindowKernelChoice force({Win::Forward::kTiled});
+  EXPECT_TRUE(torch::equal(by_default, cuda::SlidingWindowAttention(q, k, v, geo_)));
+}
+
 // The tiled window forward takes bf16/fp16 with head_dim 64 or 128: forcing it on fp32 fails
 // instead of running the masked fp32 path.
 TEST_P(KernelsTest, SlidingWindowRejectsATiledForwardItCannotRun) {
@@ -1293,14 +1317,15 @@ TEST_P(KernelsTest, SlidingWindowRejectsAWgmmaBackwardItCannotRun) {
 }
 
 // The tiled forward (the selected branch's kTiled forward and the window forward) on each
-// kind of matrix instruction it has: mma.sync, and at head_dim 64 on an sm_90 device the
-// warpgroup MMAs, which the default takes there (so the other tests run them too).
+// kind of matrix instruction it has: mma.sync, and at head_dim 64 and 128 on an sm_90 device
+// the warpgroup MMAs (at 128 all but the two-warpgroup kind: TiledForwardRejectsWgmmaItCannotRun),
+// which the default takes there (so the other tests run them too).
 TEST_P(KernelsTest, TiledForwardOnEachMmaKind) {
   using Mma = cuda::detail::TiledForwardChoice::Mma;
   const Case c = GetParam();
   if (c.dtype == torch::kFloat) GTEST_SKIP() << "tensor-core kernels only";
   for (const Mma mma : kTiledMmaKinds) {
-    if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    if (!TiledMmaRuns(mma, c.D)) continue;
     SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
     {
@@ -1331,7 +1356,7 @@ TEST_P(KernelsTest, TiledForwardWindowOfOneReturnsItsOwnValue) {
   const double scale_log2 = 1.0 / std::sqrt(static_cast<double>(c.D)) / std::log(2.0);
   const auto score = (q.to(torch::kDouble) * own_k.to(torch::kDouble)).sum(-1) * scale_log2;
   for (const Mma mma : kTiledMmaKinds) {
-    if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+    if (!TiledMmaRuns(mma, c.D)) continue;
     SCOPED_TRACE(MmaName(mma));
     const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
     Poison();
@@ -1371,7 +1396,7 @@ TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
     const auto selected_ref = SelectedAttentionReference(q32, k32, v32, idx, geo_);
     const auto window_ref = SlidingWindowAttentionReference(q32, k32, v32, geo_);
     for (const Mma mma : kTiledMmaKinds) {
-      if (mma != Mma::kSync && (c.D != 64 || !cuda::detail::WgmmaRunsHere())) continue;
+      if (!TiledMmaRuns(mma, c.D)) continue;
       SCOPED_TRACE(std::string(rising ? "rising, " : "falling, ") + MmaName(mma));
       const cuda::detail::ScopedTiledForwardChoice force_mma({mma});
       {
@@ -1398,8 +1423,8 @@ TEST_P(KernelsTest, TiledForwardFollowsRowMaxesThatRiseOrFall) {
   }
 }
 
-// The warpgroup-MMA tiled forward is a head_dim-64 kernel: forcing it elsewhere fails the
-// call instead of running mma.sync.
+// The two-warpgroup tiled forward is a head_dim-64 kernel (at 128 only the one-warpgroup kinds
+// run): forcing it there fails the call instead of running another kernel.
 TEST_P(KernelsTest, TiledForwardRejectsWgmmaItCannotRun) {
   const Case c = GetParam();
   if (c.dtype == torch::kFloat || c.D == 64) GTEST_SKIP() << "bf16/fp16 at head_dim 128 only";
