@@ -8,8 +8,8 @@
 // ChosenBlocksWalk, below). Where they share few (long sequences, small groups) it is
 // key-centric instead: one partial result per selected block, combined per position
 // (selected_block_forward.cuh, UseBlockForward; at head_dim 64, and 128 on an sm_90 device,
-// the local blocks go to a pass of their own first, LocalBlocksOnTheirOwnPass). Otherwise, and for the query-side dQ, two
-// register kernels picked by shape (UseRowsKernel):
+// the local blocks go to a pass of their own first, LocalBlocksOnTheirOwnPass). Otherwise,
+// and for the query-side dQ, two register kernels picked by shape (UseRowsKernel):
 //   * per position (SelectedQueryMmaKernel): one warp per (b, t, g), the group's heads as
 //     the 16 MMA rows (padded when H/G < 16), K/V fragments loaded straight from L2; four
 //     consecutive positions share a CTA so their common blocks come from L1.

@@ -378,8 +378,9 @@ __global__ void __launch_bounds__(TiledCfg<D>::kThreads)
 // The same tiled forward on warpgroup MMAs (sm_90a, bf16/fp16, D = 64 or 128): kWarpgroups of
 // 64 rows each, so a CTA owns kRows = 64 or 128 rows (one warpgroup is the default: four
 // independent CTAs per SM overlap each other's phases better than two whose warpgroups meet
-// at every block's barrier; at D = 128 one warpgroup only, two CTAs an SM). Row r of the CTA is warp r / 16's row (LaneRows<1> with the
-// CTA's warp index): warpgroup r / 64, its m16 tile (r % 64) / 16. Per block, each warpgroup
+// at every block's barrier; at D = 128 one warpgroup only, two CTAs an SM). Row r of the CTA
+// is warp r / 16's row (LaneRows<1> with the CTA's warp index): warpgroup r / 64, its m16
+// tile (r % 64) / 16. Per block, each warpgroup
 //   S = Q K^T    D / 16 m64n64k16 steps, Q's A fragments in registers, K read by the tensor
 //                cores from the staged tile (K-major, D / 64 halves);
 //   softmax      the online softmax on S's fragments (same layout as mma.sync's) with the
@@ -410,7 +411,7 @@ struct TiledWgmmaCfg {
   static constexpr int kThreads = kWarpgroups * wgmma::kWarpgroupThreads;
   static constexpr int kRows = 64 * kWarpgroups;
   // D = 64: 128 registers a thread. D = 128 holds twice Q's fragments and O's accumulators
-  // (as the local-blocks kernel: about 170 registers) and 32 KB stages: two CTAs.
+  // (ptxas: 206-224 registers) and 32 KB stages: two CTAs.
   static constexpr int kCtasPerSm = D_ == 64 ? 4 / kWarpgroups : 2;
   static constexpr int kN = 64;
   static constexpr int kTileBytes = kN * kD * 2;     // 8 or 16 KB: a multiple of the swizzle's 1 KB
@@ -465,8 +466,8 @@ __device__ __forceinline__ void WgmmaIssuePV(float (&o)[D / 8][4], const float (
     float(&oh)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8 * h]);
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
-      wgmma::MmaM64N64K16<kBf16, true>(oh, pf[kk],
-                                       wgmma::Advance(v_cols, off + h * kWgmmaHalfBytes + wgmma::kMnMajorStepBytes * kk));
+      const uint32_t step = off + h * kWgmmaHalfBytes + wgmma::kMnMajorStepBytes * kk;
+      wgmma::MmaM64N64K16<kBf16, true>(oh, pf[kk], wgmma::Advance(v_cols, step));
     }
   }
   wgmma::Commit();
