@@ -165,16 +165,17 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 
 // One thread per (b, t, head, 8 columns): out and lse (log2 units, +inf and a zero row when no
 // block had a visible key) from the partials of the position's distinct selected blocks,
-// and with local_lse set, from the tiled pass's result for its local blocks (out and
+// and with local_lse set, from the local pass's result for its local blocks (out and
 // local_lse on entry; SelectedKernelChoice::Local) and the partials of the rest,
 // kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's block indices and lse,
 // then its o, are loaded before any is used, and the next batch's indices and lse go out with
 // this batch's o, so a thread waits on one load a batch instead of three a block (the kernel
 // is a stream of HBM reads, latency-bound at 47% of its warps active). kBatch 8 at 86
 // registers (two CTAs an SM) was slower than one at a time (PERFORMANCE.md, thirty-third
-// session); 4 under four CTAs an SM keeps most of the occupancy and is the default. Sixteen entries' lse before any o (64 registers) took 496 us against
-// 479 (thirty-seventh session). The repeat check compares the batch's block indices, held in
-// registers, with each earlier entry once.
+// session); 4 under four CTAs an SM keeps most of the occupancy and is the default. Sixteen
+// entries' lse before any o (64 registers) took 496 us against 479 (thirty-seventh session).
+// The repeat check compares the batch's block indices, held in registers, with each earlier
+// entry once.
 template <typename scalar_t, int D, int kBatch>
 __global__ void __launch_bounds__(256, 4)
     CombineSelectedPartials(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,

@@ -63,7 +63,7 @@ const char* MmaName(cuda::detail::TiledForwardChoice::Mma mma) {
   if (mma == Mma::kWgmmaOverlap) return "wgmma, one warpgroup, P V overlapped";
   return "wgmma, one warpgroup";
 }
-// Every kind the tiled forward has (the warpgroup ones at head_dim 64 on an sm_90 device).
+// Every kind the tiled forward has (where each runs: TiledMmaRuns).
 constexpr cuda::detail::TiledForwardChoice::Mma kTiledMmaKinds[] = {
     cuda::detail::TiledForwardChoice::Mma::kSync, cuda::detail::TiledForwardChoice::Mma::kWgmma,
     cuda::detail::TiledForwardChoice::Mma::kWgmmaOneWarpgroup, cuda::detail::TiledForwardChoice::Mma::kWgmmaOverlap};
