@@ -714,14 +714,17 @@ struct LanePosition {
 
 // A lane importance kernel's walk over compressed keys: kN-key tiles up to the CTA's last
 // position's visible end, copied with cp.async into two buffers of kN D elements at `buffers`
-// (rows past the end zero-filled), and the lane's position's importance row.
-template <typename scalar_t, int D, int kN, int kThreads>
+// (rows past the end zero-filled), and the lane's position's importance row. kWgmmaHalves: each
+// tile as D / 64 [kN][64] pieces in the 128-byte swizzle, kN 64 2 bytes apart (the warpgroup
+// kernel's K-major operand; one piece at D = 64, the same layout as without).
+template <typename scalar_t, int D, int kN, int kThreads, bool kWgmmaHalves = false>
 struct LaneKeyTiles {
   static constexpr uint32_t kTileBytes = kN * D * 2;
+  static constexpr int kCols = kWgmmaHalves ? 64 : D;  // columns of one staged piece
   int vis_min, vis_end, tiles;  // the CTA's first and last positions' visible keys; tiles to walk
   int64_t kv_stride;
   const scalar_t* k_base;
-  mma::TileCopyPlan<D, kN, kThreads> plan;
+  mma::TileCopyPlan<kCols, kN, kThreads> plan;
   uint32_t buffers;
   __device__ LaneKeyTiles(const scalar_t* k, const Shape& s, const CmpCtaRows& cta, int cmp_block, int cmp_stride,
                           uint32_t buffers_)
@@ -735,7 +738,11 @@ struct LaneKeyTiles {
   // Tile `tile`'s copy (the caller commits) and its buffer.
   __device__ void Stage(int tile) const {
     const int key0 = tile * kN;
-    plan.Issue(Buffer(tile), k_base + key0 * kv_stride, min(kN, vis_end - key0));
+#pragma unroll
+    for (int piece = 0; piece < D / kCols; ++piece) {
+      plan.Issue(Buffer(tile) + piece * kN * kCols * 2, k_base + key0 * kv_stride + piece * kCols,
+                 min(kN, vis_end - key0));
+    }
   }
   __device__ uint32_t Buffer(int tile) const { return buffers + (tile & 1) * kTileBytes; }
 };
@@ -838,7 +845,7 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
   FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
-// CmpImportanceLaneKernel on warpgroup MMAs (sm_90a, head_dim 64): the same lanes, rows and map,
+// CmpImportanceLaneKernel on warpgroup MMAs (sm_90a, head_dim 64 or 128): the same lanes, rows and map,
 // one warpgroup (32 positions) per CTA, and S = Q K^T of head pair m (kM of them) as one m64n64
 // product per k16 step with both operands in shared memory. Q's kM tiles are staged once per CTA,
 // row r of tile m holding position 8 (r / 16) + r % 8, head 2 m + (r / 8) % 2 (the accumulator
@@ -849,21 +856,31 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
 // instructions, 94 registers, five CTAs an SM; still latency-bound (issue 33% active, XU 48%).
 // Not kept: head pair m + 1's product issued before pair m's exponentials (two accumulator
 // sets, 126 registers, four CTAs): 0.932 ms.
+// At D = 128 every Q and K tile is two [64][64] halves (as the selected dK/dV kernel stages
+// them), eight k16 steps a product; 16 KB tiles leave two CTAs an SM at kM = 3 (81 KB, 137
+// registers). H200, 64k 12:2 D128 (fortieth session): 1.30 ms in ncu; nsa_bench's `cmp` column
+// 3.88-3.94 ms with the staged-rows kernel it replaces (--cmp-map slots), 2.95-2.98 ms with it.
+template <int D>
 struct CmpLaneWgmmaCfg {
-  static constexpr int kD = 64, kThreads = wgmma::kWarpgroupThreads, kPositions = 32, kN = 64;
-  static constexpr int kTileBytes = 64 * kD * 2;  // a Q tile (64 rows) or a K tile (64 keys): 8 KB
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kD = D, kThreads = wgmma::kWarpgroupThreads, kPositions = 32, kN = 64;
+  static constexpr int kTileBytes = 64 * kD * 2;  // a Q tile (64 rows) or a K tile (64 keys): 8 or 16 KB
+  static constexpr uint32_t kHalfBytes = 64 * 64 * 2;  // one [64][64] half of a tile
+  static constexpr int kMinCtas = D == 64 ? 5 : 2;
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB (the swizzle).
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
   static constexpr int Smem(int kM) { return kAlignSlack + (2 + kM) * kTileBytes; }
+  // k16 step kk's byte offset in a K-major tile: half kk / 4, 16 columns further per step.
+  static constexpr uint32_t StepOffset(int kk) { return (kk / 4) * kHalfBytes + wgmma::kKMajorStepBytes * (kk % 4); }
 };
 
-template <typename scalar_t, int kM>
-__global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
+template <typename scalar_t, int D, int kM>
+__global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<D>::kMinCtas)
     CmpImportanceLaneWgmmaKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                                  const float* __restrict__ lse, float* __restrict__ importance, Shape s, int NS,
                                  int cmp_block, int cmp_stride, float scale_log2, bool zero_tail) {
-  using Cfg = CmpLaneWgmmaCfg;
-  constexpr int D = Cfg::kD, kN = Cfg::kN, kNt = kN / 8;
+  using Cfg = CmpLaneWgmmaCfg<D>;
+  constexpr int kN = Cfg::kN, kNt = kN / 8;
   constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   extern __shared__ float4 lane_wgmma_smem[];  // [slack][2 K tiles][kM Q tiles]
@@ -882,8 +899,9 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lse[m][h] = valid ? lse[head0 + 2 * m + h] - lse_shift : INFINITY;
   }
-  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads> keys(k, s, cta, cmp_block, cmp_stride, k_tiles);
-  // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows).
+  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads, true> keys(k, s, cta, cmp_block, cmp_stride, k_tiles);
+  // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows); 16-byte
+  // chunk `chunk` of a row goes to half chunk / 8.
   for (int i = static_cast<int>(threadIdx.x); keys.tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
     const int m = i / (64 * (D / 8)), r = (i / (D / 8)) % 64, chunk = i % (D / 8);
     const int p = 8 * (r / 16) + r % 8, head = 2 * m + (r / 8) % 2;
@@ -891,7 +909,8 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
     const scalar_t* src =
         q + ((static_cast<int64_t>(cta.b) * s.T + cta.t0 + (ok ? p : 0)) * s.H + cta.grp * s.hq() + head) * D +
         chunk * 8;
-    mma::CpAsync16(q_tiles + m * Cfg::kTileBytes + mma::SwizzledOffset<D>(r, chunk), src, ok);
+    const uint32_t dst = m * Cfg::kTileBytes + (chunk / 8) * Cfg::kHalfBytes + mma::SwizzledOffset<64>(r, chunk % 8);
+    mma::CpAsync16(q_tiles + dst, src, ok);
   }
   float* const imp_row = LaneImportanceRow(importance, s, cta, t, NS);
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
@@ -909,8 +928,8 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg::kThreads, 5)
           wgmma::Fence();
 #pragma unroll
           for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + wgmma::kKMajorStepBytes * kk);
-            const uint64_t b = wgmma::Advance(k_desc, k_off + wgmma::kKMajorStepBytes * kk);
+            const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + Cfg::StepOffset(kk));
+            const uint64_t b = wgmma::Advance(k_desc, k_off + Cfg::StepOffset(kk));
             if (kk == 0) {
               wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(sc, a, b);
             } else {
@@ -1712,13 +1731,30 @@ void OnePassForward(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tens
 
 // Whether the importance runs on a lane kernel (CompressedKernelChoice::Map: kAuto, or kLaneSync
 // for the mma.sync one): head_dim 64 (Q's fragments in registers, or its tiles in shared memory
-// on warpgroup MMAs), the quad map's geometry, an even head count per group up to
-// 2 kMaxLaneTiles. The caller has chosen the shared-memory path.
+// on warpgroup MMAs), or 128 on warpgroup MMAs alone (kAuto), the quad map's geometry, an even
+// head count per group up to 2 kMaxLaneTiles. The caller has chosen the shared-memory path.
 bool UseLaneImportance(const Shape& s, const Geo& g) {
   const auto map = compressed_map.load();
-  return s.D == 64 && UseQuadMap(g) &&
-         (map == CompressedKernelChoice::Map::kAuto || map == CompressedKernelChoice::Map::kLaneSync) &&
-         s.hq() % 2 == 0 && s.hq() <= 2 * kMaxLaneTiles;
+  const bool lane_kernel =
+      (s.D == 64 && (map == CompressedKernelChoice::Map::kAuto || map == CompressedKernelChoice::Map::kLaneSync)) ||
+      (s.D == 128 && map == CompressedKernelChoice::Map::kAuto && WgmmaRunsHere());
+  return lane_kernel && UseQuadMap(g) && s.hq() % 2 == 0 && s.hq() <= 2 * kMaxLaneTiles;
+}
+
+// CmpImportanceLaneKernel (mma.sync, head_dim 64), kM head pairs a lane.
+template <typename scalar_t, int D, int kM>
+void LaunchLaneImportanceSync(const at::Tensor& q, const at::Tensor& k_cmp, const at::Tensor& lse,
+                              at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
+                              bool zero_tail) {
+  using Cfg = CmpLaneImpCfg<D>;
+  const QueryGrid grid(s, Cfg::kPositions);
+  if (grid.Empty()) return;
+  const auto kernel = CmpImportanceLaneKernel<scalar_t, D, kM>;
+  AllowSmem(kernel, Cfg::kSmem);
+  kernel<<<grid.grid, Cfg::kThreads, Cfg::kSmem, at::cuda::getCurrentCUDAStream()>>>(
+      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(), s,
+      NS, g.cmp_block, g.cmp_stride, scale_log2, zero_tail);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // CmpImportanceLaneWgmmaKernel where warpgroup MMAs run and Map is kAuto, else
@@ -1734,10 +1770,10 @@ void LaunchLaneImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at
     }
   }
   if (compressed_map.load() == CompressedKernelChoice::Map::kAuto && WgmmaRunsHere()) {
-    using Cfg = CmpLaneWgmmaCfg;
+    using Cfg = CmpLaneWgmmaCfg<D>;
     const QueryGrid grid(s, Cfg::kPositions);
     if (grid.Empty()) return;
-    const auto kernel = CmpImportanceLaneWgmmaKernel<scalar_t, kM>;
+    const auto kernel = CmpImportanceLaneWgmmaKernel<scalar_t, D, kM>;
     AllowSmem(kernel, Cfg::Smem(kM));
     kernel<<<grid.grid, Cfg::kThreads, Cfg::Smem(kM), at::cuda::getCurrentCUDAStream()>>>(
         q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(),
@@ -1745,15 +1781,11 @@ void LaunchLaneImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  using Cfg = CmpLaneImpCfg<D>;
-  const QueryGrid grid(s, Cfg::kPositions);
-  if (grid.Empty()) return;
-  const auto kernel = CmpImportanceLaneKernel<scalar_t, D, kM>;
-  AllowSmem(kernel, Cfg::kSmem);
-  kernel<<<grid.grid, Cfg::kThreads, Cfg::kSmem, at::cuda::getCurrentCUDAStream()>>>(
-      q.data_ptr<scalar_t>(), k_cmp.data_ptr<scalar_t>(), lse.data_ptr<float>(), importance.data_ptr<float>(), s,
-      NS, g.cmp_block, g.cmp_stride, scale_log2, zero_tail);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if constexpr (D == 64) {  // the mma.sync lane kernel holds Q's fragments: head_dim 64 only
+    LaunchLaneImportanceSync<scalar_t, D, kM>(q, k_cmp, lse, importance, s, g, NS, scale_log2, zero_tail);
+  } else {
+    TORCH_CHECK(false, "the lane importance kernel at head_dim ", D, " needs warpgroup MMAs");
+  }
 }
 
 // The importance pass on tensor cores, from the row log-sum-exp (the shared-memory kernel
@@ -1763,7 +1795,7 @@ void LaunchImportance(const at::Tensor& q, const at::Tensor& k_cmp, const at::Te
                       at::Tensor& importance, const Shape& s, const Geo& g, int NS, float scale_log2,
                       bool smem_path, bool zero_tail = true) {
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if constexpr (D == 64) {
+  if constexpr (D == 64 || D == 128) {
     if (smem_path && UseLaneImportance(s, g)) {
       LaunchLaneImportance<scalar_t, D, 1>(q, k_cmp, lse, importance, s, g, NS, scale_log2, zero_tail);
       return;

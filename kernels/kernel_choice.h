@@ -92,12 +92,12 @@ SelectedKernelChoice GetSelectedKernelChoice();
 // forced kDense fails on them). The shared-memory importance pass maps P onto selection
 // blocks as a product with the overlap matrix W, or, in the paper's geometry (l = 2d,
 // l' = 4d), with two shuffles per n8 tile (QuadMapRow; the kernels first add the heads of a
-// position that a lane holds: all of them at head_dim 64 with up to 8 per group, on warpgroup
+// position that a lane holds: all of them with up to 8 per group at head_dim 64, on warpgroup
 // MMAs where they run (CmpImportanceLaneWgmmaKernel), else on mma.sync (CmpImportanceLaneKernel),
-// else two or four with the lanes' rows staged in shared memory, so they need an even head
-// count per group; an odd one takes the product); kProduct forces the product there too,
-// kSlots the staged rows where the all-heads kernel would run, kLaneSync the all-heads kernel
-// on mma.sync (tests, A/B timing).
+// and at 128 on warpgroup MMAs; else two or four with the lanes' rows staged in shared memory,
+// so they need an even head count per group; an odd one takes the product); kProduct forces
+// the product there too, kSlots the staged rows where the all-heads kernel would run,
+// kLaneSync the all-heads kernel on mma.sync (head_dim 64; tests, A/B timing).
 struct CompressedKernelChoice {
   enum class Path { kAuto, kOwn, kRegisters, kDense };
   enum class Map { kAuto, kProduct, kSlots, kLaneSync };

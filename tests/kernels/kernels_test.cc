@@ -532,8 +532,9 @@ TEST_P(KernelsTest, CompressedImportanceQuadMapEqualsTheProduct) {
     const double scale = product.abs().max().item<double>();
     EXPECT_LT((quad - product).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
         << "max |quad - product| over max |product| = " << scale;
-    // The default's heads in one lane (D64, even heads per group up to 8; warpgroup MMAs on sm_90)
-    // against the staged rows and the lane kernel on mma.sync.
+    // The default's heads in one lane (D64, even heads per group up to 8; warpgroup MMAs on sm_90,
+    // where D128 takes them too) against the staged rows and the lane kernel on mma.sync (D64;
+    // at D128 kLaneSync takes the staged rows).
     EXPECT_LT((quad - importance(Choice::Map::kSlots)).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
         << "against the staged rows";
     EXPECT_LT((quad - importance(Choice::Map::kLaneSync)).abs().max().item<double>(), 1e-5 * std::max(scale, 1.0))
