@@ -570,14 +570,16 @@ void KernelsTest::CheckCompressedAttention() {
 }
 
 // The selection rules of ops.h written out per row on the CPU: forced blocks, then top
-// importance with ties to the lower index, ascending, -1 padded.
+// importance with ties to the lower index, ascending, -1 padded. A NaN importance counts as
+// -inf (never preferred), as the kernel reads it.
 std::vector<int> SelectRow(const float* imp, int64_t t, int64_t NS, const Geometry& g) {
   const int64_t current = t / g.slc_block;
   std::vector<int> order;
   for (int64_t b = 0; b <= current && b < NS; ++b) order.push_back(static_cast<int>(b));
   auto key = [&](int b) {
     const bool forced = b == 0 || b == current || b == current - 1;
-    return forced ? std::numeric_limits<double>::infinity() : static_cast<double>(imp[b]);
+    if (forced) return std::numeric_limits<double>::infinity();
+    return std::isnan(imp[b]) ? -std::numeric_limits<double>::infinity() : static_cast<double>(imp[b]);
   };
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return key(a) > key(b); });
   order.resize(std::min<size_t>(order.size(), g.top_n));
@@ -857,9 +859,18 @@ TEST(SelectBlocksLongRows, FollowTheRules) {
   ASSERT_TRUE(cuda::Available());
   const Geometry geo;
   const auto cuda_opts = torch::TensorOptions().device(torch::kCUDA);
-  enum class Values { kDistinct, kTies, kOneLaneAhead };
+  // kNaNsAndInfs: a third of the values NaN, a third -inf; kFewFinite: one in 128 finite, the
+  // rest NaN or -inf, so the picks run into ties at -inf, broken by index.
+  enum class Values { kDistinct, kTies, kOneLaneAhead, kNaNsAndInfs, kFewFinite };
+  const auto nan_or_inf = [&](const torch::Tensor& x, double finite_share) {
+    const auto draw = torch::rand_like(x);
+    const auto non_finite = torch::full_like(x, -std::numeric_limits<float>::infinity())
+                                .masked_fill(torch::rand_like(x) < 0.5, std::numeric_limits<float>::quiet_NaN());
+    return torch::where(draw < finite_share, x, non_finite);
+  };
   for (const int64_t T : {65536, 70000}) {
-    for (const Values values : {Values::kDistinct, Values::kTies, Values::kOneLaneAhead}) {
+    for (const Values values : {Values::kDistinct, Values::kTies, Values::kOneLaneAhead, Values::kNaNsAndInfs,
+                                Values::kFewFinite}) {
       const int64_t NS = NumSlcBlocks(T, geo);
       torch::manual_seed(T + static_cast<int>(values));
       torch::Tensor importance;
@@ -870,6 +881,8 @@ TEST(SelectBlocksLongRows, FollowTheRules) {
           importance = torch::rand({1, T, 1, NS}, cuda_opts) +
                        (torch::arange(NS, cuda_opts).remainder(32) == 1).to(torch::kFloat);
           break;
+        case Values::kNaNsAndInfs: importance = nan_or_inf(torch::rand({1, T, 1, NS}, cuda_opts), 1.0 / 3); break;
+        case Values::kFewFinite: importance = nan_or_inf(torch::rand({1, T, 1, NS}, cuda_opts), 1.0 / 128); break;
       }
       const auto got = cuda::SelectBlocks(importance, T, geo).cpu();
       const auto imp = importance.cpu().contiguous();
