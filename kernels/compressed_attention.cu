@@ -713,12 +713,13 @@ struct LanePosition {
 };
 
 // A lane importance kernel's walk over compressed keys: kN-key tiles up to the CTA's last
-// position's visible end, copied with cp.async into two buffers of kN D elements at `buffers`
-// (rows past the end zero-filled), and the lane's position's importance row. kWgmmaHalves: each
-// tile as D / 64 [kN][64] pieces in the 128-byte swizzle, kN 64 2 bytes apart (the warpgroup
-// kernel's K-major operand; one piece at D = 64, the same layout as without).
-template <typename scalar_t, int D, int kN, int kThreads, bool kWgmmaHalves = false>
+// position's visible end, copied with cp.async into kBuffers (two, or one) buffers of kN D
+// elements at `buffers` (rows past the end zero-filled), and the lane's position's importance
+// row. kWgmmaHalves: each tile as D / 64 [kN][64] pieces in the 128-byte swizzle, kN 64 2 bytes
+// apart (the warpgroup kernel's K-major operand; one piece at D = 64, the same layout as without).
+template <typename scalar_t, int D, int kN, int kThreads, bool kWgmmaHalves = false, int kBuffers = 2>
 struct LaneKeyTiles {
+  static_assert(kBuffers == 1 || kBuffers == 2, "one or two key buffers");
   static constexpr uint32_t kTileBytes = kN * D * 2;
   static constexpr int kCols = kWgmmaHalves ? 64 : D;  // columns of one staged piece
   int vis_min, vis_end, tiles;  // the CTA's first and last positions' visible keys; tiles to walk
@@ -744,7 +745,7 @@ struct LaneKeyTiles {
                  min(kN, vis_end - key0));
     }
   }
-  __device__ uint32_t Buffer(int tile) const { return buffers + (tile & 1) * kTileBytes; }
+  __device__ uint32_t Buffer(int tile) const { return buffers + (kBuffers == 2 ? (tile & 1) * kTileBytes : 0u); }
 };
 // Position t's importance row of the CTA's (b, group): NS selection blocks.
 __device__ __forceinline__ float* LaneImportanceRow(float* importance, const Shape& s, const CmpCtaRows& cta, int t,
@@ -857,19 +858,24 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
 // Not kept: head pair m + 1's product issued before pair m's exponentials (two accumulator
 // sets, 126 registers, four CTAs): 0.932 ms.
 // At D = 128 every Q and K tile is two [64][64] halves (as the selected dK/dV kernel stages
-// them), eight k16 steps a product; 16 KB tiles leave two CTAs an SM at kM = 3 (81 KB, 137
-// registers). H200, 64k 12:2 D128 (fortieth session): 1.30 ms in ncu; nsa_bench's `cmp` column
-// 3.88-3.94 ms with the staged-rows kernel it replaces (--cmp-map slots), 2.95-2.98 ms with it.
+// them), eight k16 steps a product. H200, 64k 12:2 D128 (fortieth session), with two K buffers
+// (81 KB at kM = 3, two CTAs an SM, 137 registers): 1.30 ms in ncu, 12.4% of warps active,
+// 0.34 warps eligible a scheduler; nsa_bench's `cmp` column 3.88-3.94 ms with the staged-rows
+// kernel it replaces (--cmp-map slots), 2.95-2.98 ms with it. So at D = 128 the K tiles take
+// one buffer (65 KB, three CTAs an SM; 162 registers, no spill): a tile's copy waits for the last
+// head pair's product and runs under that pair's exponentials and map, and the third CTA fills
+// the rest: 1.21 ms in ncu, 18.5% of warps active, 0.48 eligible; `cmp` 2.84 ms.
 template <int D>
 struct CmpLaneWgmmaCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kD = D, kThreads = wgmma::kWarpgroupThreads, kPositions = 32, kN = 64;
   static constexpr int kTileBytes = 64 * kD * 2;  // a Q tile (64 rows) or a K tile (64 keys): 8 or 16 KB
   static constexpr uint32_t kHalfBytes = 64 * 64 * 2;  // one [64][64] half of a tile
-  static constexpr int kMinCtas = D == 64 ? 5 : 2;
+  static constexpr int kKBuffers = D == 64 ? 2 : 1;
+  static constexpr int kMinCtas = D == 64 ? 5 : 3;
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB (the swizzle).
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static constexpr int Smem(int kM) { return kAlignSlack + (2 + kM) * kTileBytes; }
+  static constexpr int Smem(int kM) { return kAlignSlack + (kKBuffers + kM) * kTileBytes; }
   // k16 step kk's byte offset in a K-major tile: half kk / 4, 16 columns further per step.
   static constexpr uint32_t StepOffset(int kk) { return (kk / 4) * kHalfBytes + wgmma::kKMajorStepBytes * (kk % 4); }
 };
@@ -883,10 +889,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   constexpr int kN = Cfg::kN, kNt = kN / 8;
   constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  extern __shared__ float4 lane_wgmma_smem[];  // [slack][2 K tiles][kM Q tiles]
+  extern __shared__ float4 lane_wgmma_smem[];  // [slack][kKBuffers K tiles][kM Q tiles]
   const uint32_t raw = mma::SmemAddr(lane_wgmma_smem);
   const uint32_t k_tiles = (raw + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
-  const uint32_t q_tiles = k_tiles + 2 * Cfg::kTileBytes;
+  const uint32_t q_tiles = k_tiles + Cfg::kKBuffers * Cfg::kTileBytes;
   const LanePosition lp(s, Cfg::kPositions, cmp_block, cmp_stride);
   const CmpCtaRows& cta = lp.cta;
   const int lane = lp.lane, c = lane & 3, t = lp.t, vis = lp.vis;
@@ -899,7 +905,8 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lse[m][h] = valid ? lse[head0 + 2 * m + h] - lse_shift : INFINITY;
   }
-  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads, true> keys(k, s, cta, cmp_block, cmp_stride, k_tiles);
+  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads, true, Cfg::kKBuffers> keys(k, s, cta, cmp_block, cmp_stride,
+                                                                                 k_tiles);
   // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows); 16-byte
   // chunk `chunk` of a row goes to half chunk / 8.
   for (int i = static_cast<int>(threadIdx.x); keys.tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
@@ -915,55 +922,76 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   float* const imp_row = LaneImportanceRow(importance, s, cta, t, NS);
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
-  mma::ForEachStagedTile(
-      keys.tiles, [&](int tile) { keys.Stage(tile); },
-      [&](int tile) {
-        const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
-        const uint32_t k_off = keys.Buffer(tile) - k_tiles;
-        // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
-        float even[kNt], odd[kNt];
+  // Tile `tile`'s products, exponentials, map and stores; products_done() runs once the last
+  // head pair's product has left the K tile (CTA-uniform: it may hold a barrier).
+  const auto body = [&](int tile, const auto& products_done) {
+    const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
+    const uint32_t k_off = keys.Buffer(tile) - k_tiles;
+    // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
+    float even[kNt], odd[kNt];
 #pragma unroll
-        for (int m = 0; m < kM; ++m) {
-          float sc[kNt][4];  // the first step overwrites: no zeroing
-          wgmma::Fence();
+    for (int m = 0; m < kM; ++m) {
+      float sc[kNt][4];  // the first step overwrites: no zeroing
+      wgmma::Fence();
 #pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + Cfg::StepOffset(kk));
-            const uint64_t b = wgmma::Advance(k_desc, k_off + Cfg::StepOffset(kk));
-            if (kk == 0) {
-              wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(sc, a, b);
-            } else {
-              wgmma::MmaM64N64K16Smem<kBf16, false, false>(sc, a, b);
-            }
-          }
-          wgmma::Commit();
-          wgmma::Wait<0>();
-          wgmma::FenceRegisters(sc);
-#pragma unroll
-          for (int j = 0; j < kNt; ++j) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) p[e] = mma::Exp2(sc[j][e] * scale_log2 - row_lse[m][e >> 1]);
-            // From the first head pair: 0 + x is not x for -0, so a sum from 0 costs an add.
-            even[j] = m == 0 ? p[0] + p[2] : even[j] + (p[0] + p[2]);
-            odd[j] = m == 0 ? p[1] + p[3] : odd[j] + (p[1] + p[3]);
-          }
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + Cfg::StepOffset(kk));
+        const uint64_t b = wgmma::Advance(k_desc, k_off + Cfg::StepOffset(kk));
+        if (kk == 0) {
+          wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(sc, a, b);
+        } else {
+          wgmma::MmaM64N64K16Smem<kBf16, false, false>(sc, a, b);
         }
-        if (key0 + kN > keys.vis_min) {  // CTA-uniform: the keys past the position's last visible block
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegisters(sc);
+      if (m == kM - 1) products_done();
 #pragma unroll
-          for (int j = 0; j < kNt; ++j) {
-            const int key = key0 + 8 * j + 2 * c;
-            even[j] = key < vis ? even[j] : 0.f;
-            odd[j] = key + 1 < vis ? odd[j] : 0.f;
-          }
-        }
-        float xv[kNt];
-        QuadMapRowTo<kNt, true>([&](int j) { return make_float2(even[j], odd[j]); },
-                                [&](int j, int, float value) { xv[j] = value; }, /*d: unused for 2 d P*/ 0.f,
-                                lane, spill);
-        StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
-      },
-      [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
+      for (int j = 0; j < kNt; ++j) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = mma::Exp2(sc[j][e] * scale_log2 - row_lse[m][e >> 1]);
+        // From the first head pair: 0 + x is not x for -0, so a sum from 0 costs an add.
+        even[j] = m == 0 ? p[0] + p[2] : even[j] + (p[0] + p[2]);
+        odd[j] = m == 0 ? p[1] + p[3] : odd[j] + (p[1] + p[3]);
+      }
+    }
+    if (key0 + kN > keys.vis_min) {  // CTA-uniform: the keys past the position's last visible block
+#pragma unroll
+      for (int j = 0; j < kNt; ++j) {
+        const int key = key0 + 8 * j + 2 * c;
+        even[j] = key < vis ? even[j] : 0.f;
+        odd[j] = key + 1 < vis ? odd[j] : 0.f;
+      }
+    }
+    float xv[kNt];
+    QuadMapRowTo<kNt, true>([&](int j) { return make_float2(even[j], odd[j]); },
+                            [&](int j, int, float value) { xv[j] = value; }, /*d: unused for 2 d P*/ 0.f,
+                            lane, spill);
+    StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
+  };
+  if constexpr (Cfg::kKBuffers == 2) {
+    mma::ForEachStagedTile(
+        keys.tiles, [&](int tile) { keys.Stage(tile); }, [&](int tile) { body(tile, [] {}); },
+        [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
+  } else {
+    // One buffer: the next tile's copy starts once every warp's last product has read this one.
+    if (keys.tiles > 0) {
+      keys.Stage(0);
+      mma::CpAsyncCommit();
+    }
+    for (int tile = 0; tile < keys.tiles; ++tile) {
+      mma::CpAsyncWaitAll();
+      wgmma::FenceProxyAsync();  // the tile (and Q) visible to the tensor cores after the barrier
+      __syncthreads();
+      body(tile, [&] {
+        __syncthreads();
+        if (tile + 1 < keys.tiles) keys.Stage(tile + 1);
+        mma::CpAsyncCommit();
+      });
+    }
+  }
   FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
