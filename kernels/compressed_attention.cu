@@ -715,8 +715,9 @@ struct LanePosition {
 // A lane importance kernel's walk over compressed keys: kN-key tiles up to the CTA's last
 // position's visible end, copied with cp.async into kBuffers (two, or one) buffers of kN D
 // elements at `buffers` (rows past the end zero-filled), and the lane's position's importance
-// row. kWgmmaHalves: each tile as D / 64 [kN][64] pieces in the 128-byte swizzle, kN 64 2 bytes
-// apart (the warpgroup kernel's K-major operand; one piece at D = 64, the same layout as without).
+// row. kWgmmaHalves: each tile as D / 64 [kN][64] pieces in the 128-byte swizzle, kN * 64 * 2
+// bytes apart (the warpgroup kernel's K-major operand; one piece at D = 64, the same layout as
+// without).
 template <typename scalar_t, int D, int kN, int kThreads, bool kWgmmaHalves = false, int kBuffers = 2>
 struct LaneKeyTiles {
   static_assert(kBuffers == 1 || kBuffers == 2, "one or two key buffers");
