@@ -5,7 +5,7 @@
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
 //             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
-//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--slc-combine auto|one|batch4] [--slc-local auto|blocks|tiled|kernel] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
+//             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--slc-combine auto|one|batch4] [--slc-local auto|blocks|tiled|kernel] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product|slots|lane-sync] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 //             [--tiled-mma auto|sync|wgmma|wgmma1|wgmma-overlap]
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
