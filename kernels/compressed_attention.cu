@@ -924,7 +924,8 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
   // Tile `tile`'s products, exponentials, map and stores; products_done() runs once the last
-  // head pair's product has left the K tile (CTA-uniform: it may hold a barrier).
+  // head pair's product has left the K tile (CTA-uniform: it may hold a barrier; with one K
+  // buffer it is ForEachSingleStagedTile's refill).
   const auto body = [&](int tile, const auto& products_done) {
     const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
     const uint32_t k_off = keys.Buffer(tile) - k_tiles;
@@ -976,22 +977,9 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
     mma::ForEachStagedTile(
         keys.tiles, [&](int tile) { keys.Stage(tile); }, [&](int tile) { body(tile, [] {}); },
         [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
-  } else {
-    // One buffer: the next tile's copy starts once every warp's last product has read this one.
-    if (keys.tiles > 0) {
-      keys.Stage(0);
-      mma::CpAsyncCommit();
-    }
-    for (int tile = 0; tile < keys.tiles; ++tile) {
-      mma::CpAsyncWaitAll();
-      wgmma::FenceProxyAsync();  // the tile (and Q) visible to the tensor cores after the barrier
-      __syncthreads();
-      body(tile, [&] {
-        __syncthreads();
-        if (tile + 1 < keys.tiles) keys.Stage(tile + 1);
-        mma::CpAsyncCommit();
-      });
-    }
+  } else {  // the next tile's copy starts once every warp's last product has read this one
+    mma::ForEachSingleStagedTile(keys.tiles, [&](int tile) { keys.Stage(tile); }, body,
+                                 [] { wgmma::FenceProxyAsync(); });
   }
   FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }

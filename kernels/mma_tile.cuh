@@ -218,6 +218,28 @@ template <typename Stage, typename Body>
 __device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body) {
   ForEachStagedTile(tiles, stage, body, [] {});
 }
+// ForEachStagedTile through one buffer: body(t, refill) works on tile t and calls refill()
+// once, CTA-uniformly, when no thread reads the tile any more; refill's barrier says so, and
+// tile t + 1's copy then runs under the rest of body(t). One buffer where two would cost an SM
+// a CTA (CmpImportanceLaneWgmmaKernel at head_dim 128).
+template <typename Stage, typename Body, typename Landed>
+__device__ __forceinline__ void ForEachSingleStagedTile(int tiles, const Stage& stage, const Body& body,
+                                                        const Landed& landed) {
+  if (tiles > 0) {
+    stage(0);
+    CpAsyncCommit();
+  }
+  for (int tile = 0; tile < tiles; ++tile) {
+    CpAsyncWaitAll();
+    landed();
+    __syncthreads();
+    body(tile, [&] {
+      __syncthreads();
+      if (tile + 1 < tiles) stage(tile + 1);
+      CpAsyncCommit();
+    });
+  }
+}
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
