@@ -865,18 +865,23 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
 // kernel it replaces (--cmp-map slots), 2.95-2.98 ms with it. So at D = 128 the K tiles take
 // one buffer (65 KB, three CTAs an SM; 162 registers, no spill): a tile's copy waits for the last
 // head pair's product and runs under that pair's exponentials and map, and the third CTA fills
-// the rest: 1.21 ms in ncu, 18.5% of warps active, 0.48 eligible; `cmp` 2.84 ms.
+// the rest: 1.21 ms in ncu, 18.5% of warps active, 0.48 eligible; `cmp` 2.84 ms. D = 64 takes one
+// buffer too (33 KB, six CTAs an SM, 79 registers against 94 and five CTAs with two): 912-927
+// us in ncu at 64k 12:2 (forty-first session, five launches) against 924-929 with two, the
+// same time for less code. Not kept there: a quarter of the exponentials on the FMA pipe
+// (mma::Exp2Fma-style polynomial; the XU pipe 48% -> 36% busy, issue 33% -> 46%) ran 925-927
+// us, half of them 1.02 ms (D = 128: 1.29 and 1.40 ms against 1.20): the SFU is not what
+// holds the kernel back.
 template <int D>
 struct CmpLaneWgmmaCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kD = D, kThreads = wgmma::kWarpgroupThreads, kPositions = 32, kN = 64;
   static constexpr int kTileBytes = 64 * kD * 2;  // a Q tile (64 rows) or a K tile (64 keys): 8 or 16 KB
   static constexpr uint32_t kHalfBytes = 64 * 64 * 2;  // one [64][64] half of a tile
-  static constexpr int kKBuffers = D == 64 ? 2 : 1;
-  static constexpr int kMinCtas = D == 64 ? 5 : 3;
+  static constexpr int kMinCtas = D == 64 ? 6 : 3;
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB (the swizzle).
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static constexpr int Smem(int kM) { return kAlignSlack + (kKBuffers + kM) * kTileBytes; }
+  static constexpr int Smem(int kM) { return kAlignSlack + (1 + kM) * kTileBytes; }  // one K tile, kM Q tiles
   // k16 step kk's byte offset in a K-major tile: half kk / 4, 16 columns further per step.
   static constexpr uint32_t StepOffset(int kk) { return (kk / 4) * kHalfBytes + wgmma::kKMajorStepBytes * (kk % 4); }
 };
@@ -890,10 +895,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   constexpr int kN = Cfg::kN, kNt = kN / 8;
   constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  extern __shared__ float4 lane_wgmma_smem[];  // [slack][kKBuffers K tiles][kM Q tiles]
+  extern __shared__ float4 lane_wgmma_smem[];  // [slack][one K tile][kM Q tiles]
   const uint32_t raw = mma::SmemAddr(lane_wgmma_smem);
   const uint32_t k_tiles = (raw + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
-  const uint32_t q_tiles = k_tiles + Cfg::kKBuffers * Cfg::kTileBytes;
+  const uint32_t q_tiles = k_tiles + Cfg::kTileBytes;
   const LanePosition lp(s, Cfg::kPositions, cmp_block, cmp_stride);
   const CmpCtaRows& cta = lp.cta;
   const int lane = lp.lane, c = lane & 3, t = lp.t, vis = lp.vis;
@@ -906,8 +911,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
 #pragma unroll
     for (int h = 0; h < 2; ++h) row_lse[m][h] = valid ? lse[head0 + 2 * m + h] - lse_shift : INFINITY;
   }
-  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads, true, Cfg::kKBuffers> keys(k, s, cta, cmp_block, cmp_stride,
-                                                                                 k_tiles);
+  const LaneKeyTiles<scalar_t, D, kN, Cfg::kThreads, true, 1> keys(k, s, cta, cmp_block, cmp_stride, k_tiles);
   // Q's tiles, in the first tile's copy group (positions past the CTA's are zero rows); 16-byte
   // chunk `chunk` of a row goes to half chunk / 8.
   for (int i = static_cast<int>(threadIdx.x); keys.tiles > 0 && i < kM * 64 * (D / 8); i += Cfg::kThreads) {
@@ -924,11 +928,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
   // Tile `tile`'s products, exponentials, map and stores; products_done() runs once the last
-  // head pair's product has left the K tile (CTA-uniform: it may hold a barrier; with one K
-  // buffer it is ForEachSingleStagedTile's refill).
+  // head pair's product has left the K tile (CTA-uniform: it holds a barrier, being
+  // ForEachSingleStagedTile's refill).
   const auto body = [&](int tile, const auto& products_done) {
     const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
-    const uint32_t k_off = keys.Buffer(tile) - k_tiles;
     // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
     float even[kNt], odd[kNt];
 #pragma unroll
@@ -938,7 +941,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint64_t a = wgmma::Advance(q_desc, m * Cfg::kTileBytes + Cfg::StepOffset(kk));
-        const uint64_t b = wgmma::Advance(k_desc, k_off + Cfg::StepOffset(kk));
+        const uint64_t b = wgmma::Advance(k_desc, Cfg::StepOffset(kk));
         if (kk == 0) {
           wgmma::MmaM64N64K16Smem<kBf16, false, false, true>(sc, a, b);
         } else {
@@ -973,14 +976,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
                             lane, spill);
     StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
   };
-  if constexpr (Cfg::kKBuffers == 2) {
-    mma::ForEachStagedTile(
-        keys.tiles, [&](int tile) { keys.Stage(tile); }, [&](int tile) { body(tile, [] {}); },
-        [] { wgmma::FenceProxyAsync(); });  // the tile (and Q) visible to the tensor cores after the barrier
-  } else {  // the next tile's copy starts once every warp's last product has read this one
-    mma::ForEachSingleStagedTile(keys.tiles, [&](int tile) { keys.Stage(tile); }, body,
-                                 [] { wgmma::FenceProxyAsync(); });
-  }
+  // The next tile's copy starts once every warp's last product has read this one; the proxy
+  // fence makes the tile (and Q) visible to the tensor cores after the barrier.
+  mma::ForEachSingleStagedTile(keys.tiles, [&](int tile) { keys.Stage(tile); }, body,
+                               [] { wgmma::FenceProxyAsync(); });
   FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 
