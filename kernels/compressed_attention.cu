@@ -868,10 +868,10 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
 // the rest: 1.21 ms in ncu, 18.5% of warps active, 0.48 eligible; `cmp` 2.84 ms. D = 64 takes one
 // buffer too (33 KB, six CTAs an SM, 79 registers against 94 and five CTAs with two): 912-927
 // us in ncu at 64k 12:2 (forty-first session, five launches) against 924-929 with two, the
-// same time for less code. Not kept there: a quarter of the exponentials on the FMA pipe
-// (mma::Exp2Fma-style polynomial; the XU pipe 48% -> 36% busy, issue 33% -> 46%) ran 925-927
-// us, half of them 1.02 ms (D = 128: 1.29 and 1.40 ms against 1.20): the SFU is not what
-// holds the kernel back.
+// same time for less code. Not kept there: a quarter of the exponentials on the FMA pipe (2^x
+// as a degree-5 polynomial with the exponent added into its bits, as FlashAttention-4 offloads
+// the SFU; the XU pipe 48% -> 36% busy, issue 33% -> 46%) ran 925-927 us, half of them 1.02 ms
+// (D = 128: 1.29 and 1.40 ms against 1.20): the SFU is not what holds the kernel back.
 template <int D>
 struct CmpLaneWgmmaCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
