@@ -221,7 +221,7 @@ __device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage,
 // ForEachStagedTile through one buffer: body(t, refill) works on tile t and calls refill()
 // once, CTA-uniformly, when no thread reads the tile any more; refill's barrier says so, and
 // tile t + 1's copy then runs under the rest of body(t). One buffer where two would cost an SM
-// a CTA (CmpImportanceLaneWgmmaKernel at head_dim 128).
+// a CTA (CmpImportanceLaneWgmmaKernel at head_dim 128; at 64 it runs as fast as two).
 template <typename Stage, typename Body, typename Landed>
 __device__ __forceinline__ void ForEachSingleStagedTile(int tiles, const Stage& stage, const Body& body,
                                                         const Landed& landed) {
