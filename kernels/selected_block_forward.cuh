@@ -59,52 +59,9 @@ struct BlockFwdSmem {
   static constexpr int kBytes = kPosOffset + 4 * kMaxEntries;
 };
 
-// A warp's 16 partial rows (o / l in the input type) and their log2-sum-exp (+inf, with a
-// zero row, where a row saw no key), through shared memory: the C fragments go to `tile` (the
-// warp's own 16 rows of its Q buffer, read already), then 16-byte stores of whole rows, D / 8
-// lanes a row. smem_fwd::Finish stores 4 bytes a lane straight from the fragments, so each
-// store instruction touches 8 rows: ncu, H200, 64k 12:2 (forty-first session), 1.27 -> 1.23 ms
-// at D = 64 and 2.46 -> 2.30 ms at D = 128, `slc` D128 3.84-3.92 -> 3.68-3.74 ms. (A third Q
-// buffer at D = 64, 68 KB a CTA, measured alongside: 1.29 ms alone, 1.22 with these stores;
-// not kept.)
-template <bool kBf16, int D, typename scalar_t>
-__device__ __forceinline__ void StorePartialRows(const smem_fwd::State<D, 1>& st, uint32_t tile, int warp_row0,
-                                                 scalar_t* __restrict__ part_o, float* __restrict__ part_lse,
-                                                 const int64_t (&p_row)[1][2], const bool (&valid)[1][2], int lane) {
-  constexpr int kChunks = D / 8, kRowsPerPass = 32 / kChunks;  // 4 rows a pass at D = 64, 2 at 128
-  const int c = lane & 3;
-  __syncwarp();  // every lane's ldmatrix of these Q rows is done
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = mma::QuadSum(st.l[0][h]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = warp_row0 + (lane >> 2) + 8 * h;  // the C fragments' row: columns 8 i + 2 c, + 1
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
-    }
-    if (c == 0 && valid[0][h]) part_lse[p_row[0][h]] = l > 0.f ? st.m[0][h] + log2f(l) : INFINITY;
-  }
-  __syncwarp();  // the rows are in shared memory
-#pragma unroll
-  for (int j = 0; j < 16 / kRowsPerPass; ++j) {
-    const int rr = kRowsPerPass * j + lane / kChunks, ch = lane % kChunks;  // row of the warp's 16
-    const int holder = 4 * (rr & 7);  // the lane whose half rr / 8 is row rr
-    const long long idx0 = __shfl_sync(0xffffffffu, static_cast<long long>(p_row[0][0]), holder);
-    const long long idx1 = __shfl_sync(0xffffffffu, static_cast<long long>(p_row[0][1]), holder);
-    const int ok0 = __shfl_sync(0xffffffffu, static_cast<int>(valid[0][0]), holder);
-    const int ok1 = __shfl_sync(0xffffffffu, static_cast<int>(valid[0][1]), holder);
-    uint4 val;
-    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                 : "r"(tile + mma::SwizzledOffset<D>(warp_row0 + rr, ch)));
-    if (rr < 8 ? ok0 : ok1) *reinterpret_cast<uint4*>(part_o + (rr < 8 ? idx0 : idx1) * D + ch * 8) = val;
-  }
-}
-
 // One CTA per work item (BlockFwdCfg: kM m16 tiles of rows per warp, kRows rows per CTA
-// step), with the products of the tiled forward (smem_fwd) and StorePartialRows. The item's
+// step), with the products of the tiled forward (smem_fwd) and its staged row output
+// (smem_fwd::FinishStaged). The item's
 // (entry, head) rows are gathered kRows at a time into shared memory with cp.async, the next
 // step's copy in flight while this one computes (a warp loading its own Q rows would wait on
 // each gather: a row's position comes from the entry list, so they are scattered across the
@@ -201,8 +158,9 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
       }
       // o / l and the log2-sum-exp per (entry, head) row; a row that saw no key (a block
       // past its position) gets +inf, which the combine skips.
-      static_assert(kM == 1, "StorePartialRows takes one m16 tile a warp");
-      StorePartialRows<kBf16, D>(st, qbuf, 16 * warp, part_o, part_lse, p_row, valid, lane);
+      // Through the warp's own 16 Q rows of this step's buffer, read already.
+      static_assert(kM == 1, "FinishStaged takes one m16 tile a warp");
+      smem_fwd::FinishStaged<kBf16, D>(st, qbuf, 16 * warp, part_o, part_lse, p_row, valid, lane);
     }
     __syncthreads();  // everyone is done with buf before the next step stages into it
   }

@@ -7,7 +7,8 @@
 //   SoftmaxPV: online softmax of S under a per-element mask (mma::OnlineSoftmaxLazyRescale),
 //              then O += P V (ldmatrix.trans of V rows), P rounded to the input type as
 //              FlashAttention does
-//   Finish:    O / l and the row's log2-sum-exp (+inf, with a zero row, when it saw nothing)
+//   Finish:    O / l and the row's log2-sum-exp (+inf, with a zero row, when it saw nothing);
+//              FinishStaged does the same through shared memory, whole rows a store
 #pragma once
 
 #include <ATen/ATen.h>
@@ -185,6 +186,50 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
       for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(st.o[t][i][2 * h] * inv, st.o[t][i][2 * h + 1] * inv);
       if (c == 0) lse[row_index[t][h]] = l > 0.f ? st.m[t][h] + log2f(l) : INFINITY;
     }
+  }
+}
+
+// Finish for one m16 tile a warp, through shared memory: the C fragments of the warp's 16 rows
+// go to rows warp_row0 .. + 15 of `tile` (a [rows][D] tile in SwizzledOffset's layout that no
+// other warp touches meanwhile), then 16-byte stores of whole rows, D / 8 lanes a row.
+// Finish stores 4 bytes a lane straight from the fragments, so each store instruction touches
+// 8 rows. The selected block kernel (selected_block_forward.cuh) on this path, ncu, H200, 64k
+// 12:2 (forty-first session): 1.27 -> 1.23 ms at D = 64 and 2.46 -> 2.30 ms at D = 128, `slc`
+// D128 3.84-3.92 -> 3.68-3.74 ms. (A third Q buffer at D = 64, 68 KB a CTA, measured alongside:
+// 1.29 ms alone, 1.22 with these stores; not kept.)
+template <bool kBf16, int D, typename scalar_t>
+__device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t tile, int warp_row0, scalar_t* out,
+                                             float* lse, const int64_t (&row_index)[1][2],
+                                             const bool (&row_valid)[1][2], int lane) {
+  constexpr int kChunks = D / 8, kRowsPerPass = 32 / kChunks;  // 4 rows a pass at D = 64, 2 at 128
+  const int c = lane & 3;
+  __syncwarp();  // every lane is done with whatever the warp's rows of the tile held
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = mma::QuadSum(st.l[0][h]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int r = warp_row0 + (lane >> 2) + 8 * h;  // the C fragments' row: columns 8 i + 2 c, + 1
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
+    }
+    if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + log2f(l) : INFINITY;
+  }
+  __syncwarp();  // the rows are in shared memory
+#pragma unroll
+  for (int j = 0; j < 16 / kRowsPerPass; ++j) {
+    const int rr = kRowsPerPass * j + lane / kChunks, ch = lane % kChunks;  // row of the warp's 16
+    const int holder = 4 * (rr & 7);  // the lane whose half rr / 8 is row rr
+    const long long idx0 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][0]), holder);
+    const long long idx1 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][1]), holder);
+    const int ok0 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][0]), holder);
+    const int ok1 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][1]), holder);
+    uint4 val;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                 : "r"(tile + mma::SwizzledOffset<D>(warp_row0 + rr, ch)));
+    if (rr < 8 ? ok0 : ok1) *reinterpret_cast<uint4*>(out + (rr < 8 ? idx0 : idx1) * D + ch * 8) = val;
   }
 }
 
@@ -582,7 +627,14 @@ __global__ void __launch_bounds__(TiledWgmmaCfg<kWarpgroups, kHeadDim>::kThreads
     };
     WalkStagedBlocks<D, kN, Cfg::kThreads, Cfg::kStageBytes, true>(smem_base, k, v, s, walk, b, grp, block);
   }
-  Finish<kBf16, D, 1>(st, out, lse, lr.index, lr.valid, lane);
+  // The rows go out through the first K/V stage, free once every warp is past the walk and no
+  // copy is in flight (kRows rows of D: 16 or 32 KB, one stage). ncu, H200, 64k 12:2 window
+  // branch (forty-second session): D = 128 688 -> 651 us, D = 64 356 us either way; nsa_bench
+  // `win` D128 0.690-0.728 -> 0.669-0.694 ms, `slc` B16 T2048 D128 0.658-0.684 -> 0.640-0.652.
+  static_assert(Cfg::kRows * D * 2 <= Cfg::kStageBytes, "the staged rows fit one stage");
+  mma::CpAsyncWaitAll();
+  __syncthreads();
+  FinishStaged<kBf16, D>(st, smem_base, 16 * warp, out, lse, lr.index, lr.valid, lane);
 }
 
 // Launches the tiled forward (TiledFwdKernel, or TiledFwdWgmmaKernel where
