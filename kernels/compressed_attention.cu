@@ -686,6 +686,37 @@ __device__ __forceinline__ void StoreLaneColumns(const float (&xv)[kNt], float* 
     }
   }
 }
+// StoreLaneColumns through the warp's 8 rows of 20 floats of shared memory (a row stride of 20
+// keeps the quads' writes on distinct banks): lanes 0 and 2 of each quad put the position's 16
+// values of the tile there, then every lane stores 4 of them, one 16-byte store where the
+// importance rows are 16-byte aligned (NS % 4 == 0), instead of 8 stores of 4 bytes from half
+// the lanes. The warpgroup-MMA kernel's stores, ncu, H200, 64k 12:2 (forty-second session):
+// D = 64 928 -> 881 us, D = 128 1.21 -> 1.10 ms (its stall samples had 12.5% at the stores).
+template <int kNt>
+__device__ __forceinline__ void StoreLaneColumnsStaged(const float (&xv)[kNt], float* warp_stage, float* imp_row,
+                                                       int sb_lo, int NS, bool valid, int lane) {
+  static_assert(kNt == 8, "16 selection blocks a key tile");
+  const int c = lane & 3;
+  float* const row = warp_stage + 20 * (lane >> 2);
+  if ((c & 1) == 0) {
+#pragma unroll
+    for (int j = 0; j < kNt; ++j) row[2 * j + (c >> 1)] = xv[j];
+  }
+  __syncwarp();
+  const float4 v = *reinterpret_cast<const float4*>(row + 4 * c);
+  __syncwarp();  // every lane has read before the next tile's values come in
+  if (!valid) return;
+  float* const dst = imp_row + sb_lo + 4 * c;
+  if ((NS & 3) == 0 && sb_lo + 16 <= NS) {
+    *reinterpret_cast<float4*>(dst) = v;
+  } else {
+    const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (sb_lo + 4 * c + k < NS) dst[k] = e[k];
+    }
+  }
+}
 // After the last key tile: lane 3's spill into the block past it, then (zero_tail) zeros up to NS.
 __device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, float spill, int NS, bool valid,
                                               int c, bool zero_tail) {
@@ -881,7 +912,9 @@ struct CmpLaneWgmmaCfg {
   static constexpr int kMinCtas = D == 64 ? 6 : 3;
   // Dynamic shared memory is only 16-byte aligned; the tiles start at the next 1 KB (the swizzle).
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
-  static constexpr int Smem(int kM) { return kAlignSlack + (1 + kM) * kTileBytes; }  // one K tile, kM Q tiles
+  static constexpr int kStoreStageBytes = 4 * 8 * 20 * 4;  // StoreLaneColumnsStaged's rows, 4 warps
+  // One K tile, kM Q tiles, then the store stage.
+  static constexpr int Smem(int kM) { return kAlignSlack + (1 + kM) * kTileBytes + kStoreStageBytes; }
   // k16 step kk's byte offset in a K-major tile: half kk / 4, 16 columns further per step.
   static constexpr uint32_t StepOffset(int kk) { return (kk / 4) * kHalfBytes + wgmma::kKMajorStepBytes * (kk % 4); }
 };
@@ -895,7 +928,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   constexpr int kN = Cfg::kN, kNt = kN / 8;
   constexpr int kBlocksPerTile = kN / 4;  // kN d / l' with l' = 4 d
   constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
-  extern __shared__ float4 lane_wgmma_smem[];  // [slack][one K tile][kM Q tiles]
+  extern __shared__ float4 lane_wgmma_smem[];  // [slack][one K tile][kM Q tiles][store stage]
   const uint32_t raw = mma::SmemAddr(lane_wgmma_smem);
   const uint32_t k_tiles = (raw + Cfg::kAlignSlack - 1) & ~static_cast<uint32_t>(Cfg::kAlignSlack - 1);
   const uint32_t q_tiles = k_tiles + Cfg::kTileBytes;
@@ -925,6 +958,10 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
     mma::CpAsync16(q_tiles + dst, src, ok);
   }
   float* const imp_row = LaneImportanceRow(importance, s, cta, t, NS);
+  // This warp's 8 rows of StoreLaneColumnsStaged, past the Q tiles.
+  float* const warp_stage = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(lane_wgmma_smem) +
+                                                     (q_tiles - raw) + kM * Cfg::kTileBytes) +
+                            8 * 20 * (static_cast<int>(threadIdx.x) >> 5);
   const uint64_t q_desc = wgmma::KMajorTile(q_tiles), k_desc = wgmma::KMajorTile(k_tiles);
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
   // Tile `tile`'s products, exponentials, map and stores; products_done() runs once the last
@@ -974,7 +1011,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
     QuadMapRowTo<kNt, true>([&](int j) { return make_float2(even[j], odd[j]); },
                             [&](int j, int, float value) { xv[j] = value; }, /*d: unused for 2 d P*/ 0.f,
                             lane, spill);
-    StoreLaneColumns(xv, imp_row, sb_lo, NS, valid, c);
+    StoreLaneColumnsStaged(xv, warp_stage, imp_row, sb_lo, NS, valid, lane);
   };
   // The next tile's copy starts once every warp's last product has read this one; the proxy
   // fence makes the tile (and Q) visible to the tensor cores after the barrier.
