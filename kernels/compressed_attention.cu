@@ -718,12 +718,23 @@ __device__ __forceinline__ void StoreLaneColumnsStaged(const float (&xv)[kNt], f
   }
 }
 // After the last key tile: lane 3's spill into the block past it, then (zero_tail) zeros up to NS.
+// A causal row's tail is half the importance tensor on average (256 MB at 64k, 2 groups). Where
+// the rows are 16-byte aligned (NS % 4 == 0) a quad zeroes 64 contiguous bytes a store, one
+// float4 a lane, after up to 3 single floats; else one float a lane.
 __device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, float spill, int NS, bool valid,
                                               int c, bool zero_tail) {
   if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
-  if (valid && zero_tail) {
-    for (int sb = spill_block + 1 + c; sb < NS; sb += 4) imp_row[sb] = 0.f;
+  if (!valid || !zero_tail) return;
+  const int first = spill_block + 1;
+  if ((NS & 3) == 0) {
+    const int aligned = min((first + 3) & ~3, NS);
+    if (first + c < aligned) imp_row[first + c] = 0.f;
+    for (int sb = aligned + 4 * c; sb < NS; sb += 16) {
+      *reinterpret_cast<float4*>(imp_row + sb) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    return;
   }
+  for (int sb = first + c; sb < NS; sb += 4) imp_row[sb] = 0.f;
 }
 
 // A lane importance kernel's thread: lane (g, c) of warp w holds position 8 w + g of its CTA

@@ -854,6 +854,35 @@ TEST(CompressedImportance, SelectionOnlyLeavesWhatTheSelectionNeeds) {
   }
 }
 
+// The zero-filling importance pass (the public CompressedAttention's) writes all NS blocks of a
+// row: past the blocks a position's compressed keys reach, exactly 0. The lane kernels store
+// that tail 16 bytes a lane where the rows are 16-byte aligned (NS % 4 == 0: T = 4096, NS = 64)
+// and one float a lane where not (T = 4100, NS = 65). The tensor's memory is NaN first (as in
+// the test above), so a block left unwritten shows.
+TEST(CompressedImportance, ZeroFillsEachRowPastItsVisibleBlocks) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(cuda::Available());
+  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
+  const int64_t H = 12, G = 2;
+  for (const auto [T, D] : {std::pair<int64_t, int64_t>{4096, 64}, {4100, 64}, {4096, 128}, {4100, 128}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D));
+    torch::manual_seed(T + D);
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    const int64_t N = NumCmpBlocks(T, Geometry{}), NS = NumSlcBlocks(T, Geometry{});
+    const auto q = torch::randn({1, T, H, D}, opts);
+    const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
+    const auto lse = std::get<1>(cuda::detail::CompressedForward(q, k, v, geo));
+    torch::full({1, T, G, NS}, std::nan(""), opts.dtype(torch::kFloat));  // freed at once
+    const auto importance = cuda::detail::CompressedImportance(q, k, lse, geo);
+    ASSERT_TRUE(torch::isfinite(importance).all().item<bool>()) << "a block left unwritten";
+    const auto ref =
+        CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), Geometry{});
+    const auto unseen = ImportanceReference(ref.probs, G, Geometry{}) == 0;
+    ASSERT_GT(unseen.sum().item<int64_t>(), T * G * NS / 3) << "the causal tails are most of a row's blocks";
+    EXPECT_EQ(importance.masked_select(unseen).abs().max().item<float>(), 0.f);
+  }
+}
+
 TEST(SelectBlocksLongRows, FollowTheRules) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
