@@ -821,6 +821,31 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
   }
 }
 
+// The importance pass alone (CompressedImportance) on random bf16 inputs, H = 12, G = 2, in
+// m7c's geometry: q, the compressed keys and values, and the compressed forward's lse.
+struct ImportanceInputs {
+  static constexpr int64_t kH = 12, kG = 2;
+  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
+  int64_t T, NS;
+  torch::Tensor q, k, v, lse;
+  ImportanceInputs(int64_t seq, int64_t head_dim) : T(seq), NS(NumSlcBlocks(seq, Geometry{})) {
+    torch::manual_seed(seq + head_dim);
+    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+    const int64_t N = NumCmpBlocks(T, Geometry{});
+    q = torch::randn({1, T, kH, head_dim}, opts);
+    k = torch::randn({1, N, kG, head_dim}, opts);
+    v = torch::randn({1, N, kG, head_dim}, opts);
+    lse = std::get<1>(cuda::detail::CompressedForward(q, k, v, geo));
+  }
+  // NaN in the block the caching allocator hands the next importance tensor (freed at once).
+  void PoisonNextImportance() const {
+    torch::full({1, T, kG, NS}, std::nan(""), torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  }
+  torch::Tensor Importance(bool selection_only = false) const {
+    return cuda::detail::CompressedImportance(q, k, lse, geo, selection_only);
+  }
+};
+
 // The fused layer's importance pass leaves the selection blocks past each tile of positions
 // unwritten (CompressedImportance's selection_only): the selection must not read them, and
 // every block it ranks (up to t / l' - 2) is written and equals the zero-filling pass's. The
@@ -830,26 +855,19 @@ TEST(CompressedImportance, EachHeadCountPerGroupMatchesTheReference) {
 TEST(CompressedImportance, SelectionOnlyLeavesWhatTheSelectionNeeds) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
-  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
-  const int64_t H = 12, G = 2;
   for (const auto [T, D] : {std::pair<int64_t, int64_t>{4500, 64}, {3000, 128}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D));
-    torch::manual_seed(T + D);
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-    const int64_t N = NumCmpBlocks(T, Geometry{}), NS = NumSlcBlocks(T, Geometry{});
-    const auto q = torch::randn({1, T, H, D}, opts);
-    const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
-    const auto lse = std::get<1>(cuda::detail::CompressedForward(q, k, v, geo));
-    const auto full = cuda::detail::CompressedImportance(q, k, lse, geo);
-    torch::full({1, T, G, NS}, std::nan(""), opts.dtype(torch::kFloat));  // freed at once
-    const auto partial = cuda::detail::CompressedImportance(q, k, lse, geo, /*selection_only=*/true);
-    EXPECT_TRUE(torch::equal(cuda::detail::SelectBlocksLaunch(partial, T, geo),
-                             cuda::detail::SelectBlocksLaunch(full, T, geo)));
+    const ImportanceInputs in(T, D);
+    const auto full = in.Importance();
+    in.PoisonNextImportance();
+    const auto partial = in.Importance(/*selection_only=*/true);
+    EXPECT_TRUE(torch::equal(cuda::detail::SelectBlocksLaunch(partial, T, in.geo),
+                             cuda::detail::SelectBlocksLaunch(full, T, in.geo)));
     // Blocks 0 .. t / l' - 2 of position t (those the selection ranks): the mask [T, NS].
     const auto cuda_ints = torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA);
-    const auto own = torch::arange(NS, cuda_ints).unsqueeze(0) <=
-                     torch::div(torch::arange(T, cuda_ints), geo.slc_block, "floor").unsqueeze(1) - 2;
-    const auto mask = own.view({1, T, 1, NS}).expand_as(full);
+    const auto own = torch::arange(in.NS, cuda_ints).unsqueeze(0) <=
+                     torch::div(torch::arange(T, cuda_ints), in.geo.slc_block, "floor").unsqueeze(1) - 2;
+    const auto mask = own.view({1, T, 1, in.NS}).expand_as(full);
     EXPECT_TRUE(torch::equal(partial.masked_select(mask), full.masked_select(mask)));
   }
 }
@@ -862,23 +880,17 @@ TEST(CompressedImportance, SelectionOnlyLeavesWhatTheSelectionNeeds) {
 TEST(CompressedImportance, ZeroFillsEachRowPastItsVisibleBlocks) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(cuda::Available());
-  const cuda::detail::Geo geo{32, 16, 64, 16, 512};
-  const int64_t H = 12, G = 2;
   for (const auto [T, D] : {std::pair<int64_t, int64_t>{4096, 64}, {4100, 64}, {4096, 128}, {4100, 128}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " D=" + std::to_string(D));
-    torch::manual_seed(T + D);
-    const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-    const int64_t N = NumCmpBlocks(T, Geometry{}), NS = NumSlcBlocks(T, Geometry{});
-    const auto q = torch::randn({1, T, H, D}, opts);
-    const auto k = torch::randn({1, N, G, D}, opts), v = torch::randn({1, N, G, D}, opts);
-    const auto lse = std::get<1>(cuda::detail::CompressedForward(q, k, v, geo));
-    torch::full({1, T, G, NS}, std::nan(""), opts.dtype(torch::kFloat));  // freed at once
-    const auto importance = cuda::detail::CompressedImportance(q, k, lse, geo);
+    const ImportanceInputs in(T, D);
+    in.PoisonNextImportance();
+    const auto importance = in.Importance();
     ASSERT_TRUE(torch::isfinite(importance).all().item<bool>()) << "a block left unwritten";
-    const auto ref =
-        CompressedAttentionReference(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), Geometry{});
-    const auto unseen = ImportanceReference(ref.probs, G, Geometry{}) == 0;
-    ASSERT_GT(unseen.sum().item<int64_t>(), T * G * NS / 3) << "the causal tails are most of a row's blocks";
+    const auto ref = CompressedAttentionReference(in.q.to(torch::kFloat), in.k.to(torch::kFloat),
+                                                  in.v.to(torch::kFloat), Geometry{});
+    const auto unseen = ImportanceReference(ref.probs, ImportanceInputs::kG, Geometry{}) == 0;
+    ASSERT_GT(unseen.sum().item<int64_t>(), T * ImportanceInputs::kG * in.NS / 3)
+        << "the causal tails are most of a row's blocks";
     EXPECT_EQ(importance.masked_select(unseen).abs().max().item<float>(), 0.f);
   }
 }
