@@ -691,7 +691,8 @@ __device__ __forceinline__ void StoreLaneColumns(const float (&xv)[kNt], float* 
 // values of the tile there, then every lane stores 4 of them, one 16-byte store where the
 // importance rows are 16-byte aligned (NS % 4 == 0), instead of 8 stores of 4 bytes from half
 // the lanes. The warpgroup-MMA kernel's stores, ncu, H200, 64k 12:2 (forty-second session):
-// D = 64 928 -> 881 us, D = 128 1.21 -> 1.10 ms (its stall samples had 12.5% at the stores).
+// D = 64 928 -> 881 us, D = 128 1.21 -> 1.10 ms (its stall samples had 12.5% at the stores,
+// thirty-sixth session).
 template <int kNt>
 __device__ __forceinline__ void StoreLaneColumnsStaged(const float (&xv)[kNt], float* warp_stage, float* imp_row,
                                                        int sb_lo, int NS, bool valid, int lane) {
@@ -720,7 +721,9 @@ __device__ __forceinline__ void StoreLaneColumnsStaged(const float (&xv)[kNt], f
 // After the last key tile: lane 3's spill into the block past it, then (zero_tail) zeros up to NS.
 // A causal row's tail is half the importance tensor on average (256 MB at 64k, 2 groups). Where
 // the rows are 16-byte aligned (NS % 4 == 0) a quad zeroes 64 contiguous bytes a store, one
-// float4 a lane, after up to 3 single floats; else one float a lane.
+// float4 a lane, after up to 3 single floats; else one float a lane. The warpgroup-MMA kernel,
+// ncu, H200, 64k 12:2 (forty-second session): D = 64 877 -> 643-652 us, D = 128 1.10 -> 0.88 ms,
+// against one float a lane (8 rows of 16 bytes a store: 32% of its L2 sectors excessive).
 __device__ __forceinline__ void FinishLaneRow(float* imp_row, int spill_block, float spill, int NS, bool valid,
                                               int c, bool zero_tail) {
   if (valid && c == 3 && spill_block < NS) imp_row[spill_block] = spill;
