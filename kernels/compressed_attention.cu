@@ -916,7 +916,10 @@ __global__ void __launch_bounds__(CmpLaneImpCfg<D>::kThreads, 4)
 // same time for less code. Not kept there: a quarter of the exponentials on the FMA pipe (2^x
 // as a degree-5 polynomial with the exponent added into its bits, as FlashAttention-4 offloads
 // the SFU; the XU pipe 48% -> 36% busy, issue 33% -> 46%) ran 925-927 us, half of them 1.02 ms
-// (D = 128: 1.29 and 1.40 ms against 1.20): the SFU is not what holds the kernel back.
+// (D = 128: 1.29 and 1.40 ms against 1.20). That was with each row's zero tail still stored
+// 4 bytes a lane (15% of the stall samples); with the tail in float4s (FinishLaneRow) the
+// exponentials hold half of the D = 64 kernel's stall samples (forty-second session), so the
+// offload is to be measured again (branch wip/imp-exp-fma2).
 template <int D>
 struct CmpLaneWgmmaCfg {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");

@@ -61,11 +61,10 @@ struct BlockFwdSmem {
 
 // One CTA per work item (BlockFwdCfg: kM m16 tiles of rows per warp, kRows rows per CTA
 // step), with the products of the tiled forward (smem_fwd) and its staged row output
-// (smem_fwd::FinishStaged). The item's
-// (entry, head) rows are gathered kRows at a time into shared memory with cp.async, the next
-// step's copy in flight while this one computes (a warp loading its own Q rows would wait on
-// each gather: a row's position comes from the entry list, so they are scattered across the
-// sequence).
+// (smem_fwd::FinishStaged). The item's (entry, head) rows are gathered kRows at a time into
+// shared memory with cp.async, the next step's copy in flight while this one computes (a warp
+// loading its own Q rows would wait on each gather: a row's position comes from the entry
+// list, so they are scattered across the sequence).
 template <typename scalar_t, int D, int kMaxEntries, typename KeyPolicy>
 __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMinCtas)
     SelectedBlockFwdKernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
