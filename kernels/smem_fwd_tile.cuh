@@ -197,39 +197,55 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
 // 12:2 (forty-first session): 1.27 -> 1.23 ms at D = 64 and 2.46 -> 2.30 ms at D = 128, `slc`
 // D128 3.84-3.92 -> 3.68-3.74 ms. (A third Q buffer at D = 64, 68 KB a CTA, measured alongside:
 // 1.29 ms alone, 1.22 with these stores; not kept.)
-template <bool kBf16, int D, typename scalar_t>
+// kHalvesAtOnce 1 (the local-blocks kernel, whose K/V tiles leave room for 8 rows a warp):
+// 8 rows of `tile` a pass, the warp's two halves one after the other.
+template <bool kBf16, int D, int kHalvesAtOnce = 2, typename scalar_t>
 __device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t tile, int warp_row0, scalar_t* out,
                                              float* lse, const int64_t (&row_index)[1][2],
                                              const bool (&row_valid)[1][2], int lane) {
+  static_assert(kHalvesAtOnce == 1 || kHalvesAtOnce == 2, "8 or 16 rows a pass");
   constexpr int kChunks = D / 8, kRowsPerPass = 32 / kChunks;  // 4 rows a pass at D = 64, 2 at 128
   const int c = lane & 3;
-  __syncwarp();  // every lane is done with whatever the warp's rows of the tile held
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = mma::QuadSum(st.l[0][h]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int r = warp_row0 + (lane >> 2) + 8 * h;  // the C fragments' row: columns 8 i + 2 c, + 1
+  for (int h0 = 0; h0 < 2; h0 += kHalvesAtOnce) {
+    __syncwarp();  // every lane is done with whatever the warp's rows of the tile held
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
+    for (int hh = 0; hh < kHalvesAtOnce; ++hh) {
+      const int h = h0 + hh;
+      const float l = mma::QuadSum(st.l[0][h]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = warp_row0 + (lane >> 2) + 8 * hh;  // the C fragments' row: columns 8 i + 2 c, + 1
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
+      }
+      if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + log2f(l) : INFINITY;
     }
-    if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + log2f(l) : INFINITY;
-  }
-  __syncwarp();  // the rows are in shared memory
+    __syncwarp();  // the rows are in shared memory
 #pragma unroll
-  for (int j = 0; j < 16 / kRowsPerPass; ++j) {
-    const int rr = kRowsPerPass * j + lane / kChunks, ch = lane % kChunks;  // row of the warp's 16
-    const int holder = 4 * (rr & 7);  // the lane whose half rr / 8 is row rr
-    const long long idx0 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][0]), holder);
-    const long long idx1 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][1]), holder);
-    const int ok0 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][0]), holder);
-    const int ok1 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][1]), holder);
-    uint4 val;
-    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                 : "r"(tile + mma::SwizzledOffset<D>(warp_row0 + rr, ch)));
-    if (rr < 8 ? ok0 : ok1) *reinterpret_cast<uint4*>(out + (rr < 8 ? idx0 : idx1) * D + ch * 8) = val;
+    for (int j = 0; j < 8 * kHalvesAtOnce / kRowsPerPass; ++j) {
+      const int rr = kRowsPerPass * j + lane / kChunks, ch = lane % kChunks;  // row of this pass's
+      const int holder = 4 * (rr & 7);  // the lane whose half h0 + rr / 8 is row rr
+      long long idx;
+      int ok;
+      if constexpr (kHalvesAtOnce == 2) {
+        const long long idx0 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][0]), holder);
+        const long long idx1 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][1]), holder);
+        const int ok0 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][0]), holder);
+        const int ok1 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][1]), holder);
+        idx = rr < 8 ? idx0 : idx1;
+        ok = rr < 8 ? ok0 : ok1;
+      } else {
+        idx = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][h0]), holder);
+        ok = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][h0]), holder);
+      }
+      uint4 val;
+      asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(tile + mma::SwizzledOffset<D>(warp_row0 + rr, ch)));
+      if (ok) *reinterpret_cast<uint4*>(out + idx * D + ch * 8) = val;
+    }
   }
 }
 
