@@ -983,7 +983,7 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   float spill = 0.f;  // lane 3: the last mapped n8 tile's share of the next selection block
   // Tile `tile`'s products, exponentials, map and stores; products_done() runs once the last
   // head pair's product has left the K tile (CTA-uniform: it holds a barrier, being
-  // ForEachSingleStagedTile's refill).
+  // the one-buffer ForEachStagedTile's refill).
   const auto body = [&](int tile, const auto& products_done) {
     const int key0 = tile * kN, sb_lo = tile * kBlocksPerTile;
     // The lane's keys 8j + 2c (even) and + 1 (odd) of n8 tile j, summed over its rows.
@@ -1032,8 +1032,8 @@ __global__ void __launch_bounds__(CmpLaneWgmmaCfg<D>::kThreads, CmpLaneWgmmaCfg<
   };
   // The next tile's copy starts once every warp's last product has read this one; the proxy
   // fence makes the tile (and Q) visible to the tensor cores after the barrier.
-  mma::ForEachSingleStagedTile(keys.tiles, [&](int tile) { keys.Stage(tile); }, body,
-                               [] { wgmma::FenceProxyAsync(); });
+  mma::ForEachStagedTile</*kOneBuffer=*/true>(keys.tiles, [&](int tile) { keys.Stage(tile); }, body,
+                                              [] { wgmma::FenceProxyAsync(); });
   FinishLaneRow(imp_row, keys.tiles * kBlocksPerTile, spill, NS, valid, c, zero_tail);
 }
 

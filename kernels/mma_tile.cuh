@@ -193,12 +193,16 @@ __device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, bool vali
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-// Tiles [0, tiles) through two shared-memory buffers: stage(t) issues tile t's cp.async copy,
-// body(t) works on it while tile t + 1's copy is in flight. The barrier before each tile
-// publishes it to the whole CTA and tells everyone the other buffer is free again; landed()
-// runs between this thread's copies arriving and that barrier (a proxy fence, where the
-// tensor cores read the tile: wgmma.cuh).
-template <typename Stage, typename Body, typename Landed>
+// Tiles [0, tiles) through shared memory: stage(t) issues tile t's cp.async copy. The barrier
+// before each tile publishes it to the whole CTA; landed() runs between this thread's copies
+// arriving and that barrier (a proxy fence, where the tensor cores read the tile: wgmma.cuh).
+// - Two buffers (kOneBuffer false): body(t) works on tile t while tile t + 1's copy is in
+//   flight; the barrier also tells everyone the other buffer is free again.
+// - One buffer (kOneBuffer true): body(t, refill) works on tile t and calls refill() once,
+//   CTA-uniformly, when no thread reads the tile any more; refill's barrier says so, and tile
+//   t + 1's copy then runs under the rest of body(t). One buffer where two would cost an SM a
+//   CTA (CmpImportanceLaneWgmmaKernel at head_dim 128; at 64 it runs as fast as two).
+template <bool kOneBuffer = false, typename Stage, typename Body, typename Landed>
 __device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body,
                                                   const Landed& landed) {
   if (tiles > 0) {
@@ -209,36 +213,24 @@ __device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage,
     CpAsyncWaitAll();
     landed();
     __syncthreads();
-    if (tile + 1 < tiles) stage(tile + 1);
-    CpAsyncCommit();
-    body(tile);
+    const auto stage_next = [&] {
+      if (tile + 1 < tiles) stage(tile + 1);
+      CpAsyncCommit();
+    };
+    if constexpr (kOneBuffer) {
+      body(tile, [&] {
+        __syncthreads();
+        stage_next();
+      });
+    } else {
+      stage_next();
+      body(tile);
+    }
   }
 }
 template <typename Stage, typename Body>
 __device__ __forceinline__ void ForEachStagedTile(int tiles, const Stage& stage, const Body& body) {
   ForEachStagedTile(tiles, stage, body, [] {});
-}
-// ForEachStagedTile through one buffer: body(t, refill) works on tile t and calls refill()
-// once, CTA-uniformly, when no thread reads the tile any more; refill's barrier says so, and
-// tile t + 1's copy then runs under the rest of body(t). One buffer where two would cost an SM
-// a CTA (CmpImportanceLaneWgmmaKernel at head_dim 128; at 64 it runs as fast as two).
-template <typename Stage, typename Body, typename Landed>
-__device__ __forceinline__ void ForEachSingleStagedTile(int tiles, const Stage& stage, const Body& body,
-                                                        const Landed& landed) {
-  if (tiles > 0) {
-    stage(0);
-    CpAsyncCommit();
-  }
-  for (int tile = 0; tile < tiles; ++tile) {
-    CpAsyncWaitAll();
-    landed();
-    __syncthreads();
-    body(tile, [&] {
-      __syncthreads();
-      if (tile + 1 < tiles) stage(tile + 1);
-      CpAsyncCommit();
-    });
-  }
 }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
