@@ -11,6 +11,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include <climits>
+#include <cmath>
 
 #include "launch_util.cuh"
 // After ATen's headers: it uses c10's macros without including them.
@@ -29,18 +30,18 @@ int KeyBits(uint64_t max_key) {
   return bits;
 }
 
-// Each entry's segment key (S for an unused slot, for a block its row listed in an earlier
-// slot: the selection is a set, as in the reference, so a segment holds each position at most
-// once, and with skip_local_of > 0 for a block local to the position) and its own index as the
-// sort value. 32-bit index maths through multiply-shift
-// division (entries < 2^31): with 64-bit divisions the kernel took 10 us per call at batch
-// 16, T=2048 on an H100, twice its memory time.
+// Each entry's segment key (S for an unused slot or a block index past NS, for a block its row
+// listed in an earlier slot: the selection is a set, as in the reference, so a segment holds
+// each position at most once, and with skip_local_of > 0 for a block local to the position) and
+// its own index as the sort value; marks' rows of every entry keyed S. 32-bit index maths
+// through multiply-shift division (entries < 2^31): with 64-bit divisions the kernel took 10 us
+// per call at batch 16, T=2048 on an H100, twice its memory time.
 struct EntryDividers {
   at::cuda::detail::IntDivider<uint32_t> slots, groups, positions;  // n, G, T
 };
 __global__ void SegmentKeysKernel(const int* __restrict__ block_idx, Key* __restrict__ keys,
                                   int* __restrict__ values, uint32_t entries, EntryDividers div, int NS, Key S,
-                                  int skip_local_of) {
+                                  int skip_local_of, NoPartialMarks marks) {
   for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < entries; e += gridDim.x * blockDim.x) {
     const int blk = block_idx[e];
     const auto row_slot = div.slots.divmod(e);
@@ -50,8 +51,13 @@ __global__ void SegmentKeysKernel(const int* __restrict__ block_idx, Key* __rest
     const auto b_t = div.positions.divmod(row_g.div);
     const uint32_t b = b_t.div;
     const bool local = skip_local_of > 0 && IsLocalBlock(blk, static_cast<int>(b_t.mod), skip_local_of);
-    keys[e] = blk >= 0 && !repeat && !local ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
+    const bool counts = blk >= 0 && blk < NS && !repeat && !local;
+    keys[e] = counts ? static_cast<Key>((b * div.groups.divisor + row_g.mod) * NS + blk) : S;
     values[e] = static_cast<int>(e);
+    if (marks.lse != nullptr && !counts) {
+      float* const rows = marks.lse + static_cast<int64_t>(e) * marks.rows_per_entry;
+      for (int r = 0; r < marks.rows_per_entry; ++r) rows[r] = -INFINITY;
+    }
   }
 }
 
@@ -138,7 +144,7 @@ void ExclusiveSum(const int64_t* in, int64_t* out, int64_t count, const at::Tens
 }  // namespace
 
 BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order,
-                        int skip_local_of) {
+                        int skip_local_of, NoPartialMarks marks) {
   TORCH_CHECK(block_idx.is_cuda() && block_idx.dim() == 4 && block_idx.scalar_type() == at::kInt &&
                   block_idx.is_contiguous(),
               "InvertBlockMap takes block_idx [B,T,G,n] int32, contiguous, on the GPU");
@@ -172,7 +178,7 @@ BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_ite
     SegmentKeysKernel<<<GridStride(entries), kThreads, 0, stream>>>(block_idx.data_ptr<int>(), key_ptr,
                                                                      values.data_ptr<int>(),
                                                                      static_cast<uint32_t>(entries), div, NS,
-                                                                     static_cast<Key>(S), skip_local_of);
+                                                                     static_cast<Key>(S), skip_local_of, marks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     SortPairs(key_ptr, sorted_key_ptr, values.data_ptr<int>(), map.sorted_entry.data_ptr<int>(), entries,
               KeyBits(static_cast<uint64_t>(S)), block_idx, stream);

@@ -24,11 +24,20 @@ struct BlockMap {
   int NS = 0, queries_per_item = 0;
 };
 
+// Where the entries that get no work item (an unused slot, a repeat, a local block left out,
+// a block index past NS) are marked: rows_per_entry floats from lse + e rows_per_entry become
+// -inf. The block forward's partial log-sum-exp rows: its combine then tells which entries
+// count from them alone, without the block indices.
+struct NoPartialMarks {
+  float* lse = nullptr;  // null: nothing marked
+  int rows_per_entry = 0;
+};
+
 // NS: selection blocks per sequence. skip_local_of > 0 leaves out the entries whose block is
 // local to their position (IsLocalBlock with selection blocks of that many keys: the forward's
 // tiled pass takes those, SelectedKernelChoice::Local); 0 keeps every entry. Runs on the
 // current stream, no host sync (CUDA-graph capturable).
 BlockMap InvertBlockMap(const at::Tensor& block_idx, int NS, int queries_per_item, bool position_order,
-                        int skip_local_of = 0);
+                        int skip_local_of = 0, NoPartialMarks marks = {});
 
 }  // namespace nsad::nsa::cuda::detail

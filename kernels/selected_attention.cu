@@ -598,12 +598,13 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
       smem_fwd::LaunchTiledForward<scalar_t, D>(q, k, v, out, local_lse, s, walk, walk.SmemBytes(NS));
     }
   }
-  const BlockMap map = InvertBlockMap(block_idx, NS, QueriesPerCta(choice),
-                                      PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false),
-                                      local_pass ? g.slc_block : 0);
-  // One partial row per (entry, head): unused (-1) entries are allocated and never read.
+  // One partial row per (entry, head): an entry that gets none (unused, a repeat, local) has
+  // its lse rows marked -inf by InvertBlockMap, and its o rows are never read.
   auto part_o = at::empty({block_idx.numel() * s.hq(), s.D}, q.options());
   auto part_lse = at::empty({block_idx.numel() * s.hq()}, q.options().dtype(at::kFloat));
+  const BlockMap map = InvertBlockMap(block_idx, NS, QueriesPerCta(choice),
+                                      PositionOrder(choice, s, n, NS, /*fused_dq_backward=*/false),
+                                      local_pass ? g.slc_block : 0, {part_lse.data_ptr<float>(), s.hq()});
   const float scale_log2 = kLog2e / std::sqrt(static_cast<float>(s.D));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (map.segments > 0) {
@@ -617,8 +618,8 @@ void LaunchSelectedBlockForwardPass(const at::Tensor& q, const at::Tensor& k, co
   const auto combine = choice.combine == Choice::Combine::kOne ? block_fwd::CombineSelectedPartials<scalar_t, D, 1>
                                                                : block_fwd::CombineSelectedPartials<scalar_t, D, 4>;
   combine<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
-      part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), block_idx.data_ptr<int>(), out.data_ptr<scalar_t>(),
-      lse.data_ptr<float>(), s, n, NS, local_pass ? local_lse.data_ptr<float>() : nullptr, g.slc_block);
+      part_o.data_ptr<scalar_t>(), part_lse.data_ptr<float>(), out.data_ptr<scalar_t>(), lse.data_ptr<float>(), s, n,
+      local_pass ? local_lse.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

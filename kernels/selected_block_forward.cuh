@@ -12,9 +12,9 @@
 //      kRows at a time, each warp takes 16 kM of them, softmax over the block's causal keys
 //      in one step, and writes o / l (input type) and the partial log2-sum-exp per row.
 //   2. CombineSelectedPartials: per (position, head), the log2-sum-exp over the distinct
-//      selected blocks (a block listed twice counts once, as in the reference) and the
-//      partials weighted by 2^(lse_i - lse): the output and lse the backward expects; four
-//      blocks' loads in flight at a time.
+//      selected blocks (a block listed twice counts once, as in the reference: InvertBlockMap
+//      marks the entries without a partial) and the partials weighted by 2^(lse_i - lse): the
+//      output and lse the backward expects; four blocks' loads in flight at a time.
 // At head_dim 64 a position's local blocks (block 0, its own and the previous one, which
 // every position of its block shares) leave the block kernel: a tiled pass over neighbouring
 // positions (smem_fwd's kernel with ChosenBlocksWalk<true>, selected_attention.cu, or with
@@ -177,22 +177,22 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 // One thread per (b, t, head, 8 columns): out and lse (log2 units, +inf and a zero row when no
 // block had a visible key) from the partials of the position's distinct selected blocks,
 // and with local_lse set, from the local pass's result for its local blocks (out and
-// local_lse on entry; SelectedKernelChoice::Local) and the partials of the rest,
-// kBatch blocks at a time (SelectedKernelChoice::Combine): a batch's block indices and lse,
-// then its o, are loaded before any is used, and the next batch's indices and lse go out with
-// this batch's o, so a thread waits on one load a batch instead of three a block (the kernel
-// is a stream of HBM reads, latency-bound at 47% of its warps active). kBatch 8 at 86
-// registers (two CTAs an SM) was slower than one at a time (PERFORMANCE.md, thirty-third
-// session); 4 under four CTAs an SM keeps most of the occupancy and is the default. Sixteen
-// entries' lse before any o (64 registers) took 496 us against 479 (thirty-seventh session).
-// The repeat check compares the batch's block indices, held in registers, with each earlier
-// entry once.
+// local_lse on entry; SelectedKernelChoice::Local) and the partials of the rest.
+// Which entries count, the lse says: InvertBlockMap marked every entry that got no partial (an
+// unused slot, a repeat, a local block the local pass took) -inf (NoPartialMarks), and the
+// block kernel writes +inf for a block with no visible key. So the block indices are not read;
+// with them, the repeat and local checks, ncu at 64k 12:2 (forty-third session): D64 488 ->
+// 368 us (381 M -> 209 M instructions), D128 959 -> 719 us.
+// kBatch entries at a time (SelectedKernelChoice::Combine): a batch's lse, then its o, are
+// loaded before any is used, and the next batch's lse go out with this batch's o, so a thread
+// waits on one load a batch (the kernel is a stream of HBM reads). kBatch 8 at 86 registers
+// (two CTAs an SM) was slower than one at a time (PERFORMANCE.md, thirty-third session); 4
+// under four CTAs an SM keeps most of the occupancy and is the default.
 template <typename scalar_t, int D, int kBatch>
 __global__ void __launch_bounds__(256, 4)
     CombineSelectedPartials(const scalar_t* __restrict__ part_o, const float* __restrict__ part_lse,
-                            const int* __restrict__ block_idx, scalar_t* __restrict__ out,
-                            float* __restrict__ lse, Shape s, int n, int num_blocks,
-                            const float* __restrict__ local_lse, int slc_block) {
+                            scalar_t* __restrict__ out, float* __restrict__ lse, Shape s, int n,
+                            const float* __restrict__ local_lse) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t rows = static_cast<int64_t>(s.B) * s.T * s.H;
@@ -201,16 +201,10 @@ __global__ void __launch_bounds__(256, 4)
   const int64_t row = i / kChunks;  // (b, t, h) of [B,T,H]
   const int h = static_cast<int>(row % s.H), hq = s.hq(), grp = h / hq, head = h % hq;
   const int64_t e0 = (row / s.H * s.G + grp) * n;  // the (b, t, g) entries
-  const int* idx = block_idx + e0;
   float m = -INFINITY, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   // The local blocks' partial, when the tiled pass made it: out holds it (a zero row when its
-  // lse is +inf), so both loads go out unconditionally, next to the first batch's. 32-bit
-  // position arithmetic (B T < 2^31: InvertBlockMap checks B T G n): with a 64-bit remainder
-  // and the loads behind the lse test the kernel ran 459 M warp instructions, not 369 M.
-  const bool local_done = local_lse != nullptr;
-  int own = -2;  // the position's block, for the local test (read only with the local pass)
-  if (local_done) {
-    own = static_cast<int>(row / s.H) % s.T / slc_block;
+  // lse is +inf), so both loads go out unconditionally, next to the first batch's.
+  if (local_lse != nullptr) {
     const float x = local_lse[row];
     const uint4 raw = *reinterpret_cast<const uint4*>(out + row * D + 8 * ch);
     const scalar_t* val = reinterpret_cast<const scalar_t*>(&raw);
@@ -218,52 +212,30 @@ __global__ void __launch_bounds__(256, 4)
     for (int d = 0; d < 8; ++d) acc[d] = static_cast<float>(val[d]);
     if (x != INFINITY) m = x, l = 1.f;
   }
-  // The batch's block indices and partial lse, loaded together (an lse whose entry does not
-  // count is read and dropped, so no load waits on a block index: ncu, 64k D64 12:2, 561 ->
-  // 479 us). The next batch's go out behind this batch's o loads, so a batch waits on one
-  // round trip to memory, not two (ncu, 64k 12:2: D64 510 -> 491 us, D128 955 -> 913 us against
-  // the same loop loading them at its end; thirty-eighth session).
-  const auto load_batch = [&](int j0, int (&blk)[kBatch], float (&x)[kBatch]) {
+  // The next batch's lse go out behind this batch's o loads, so a batch waits on one round trip
+  // to memory, not two (ncu, 64k 12:2: D64 510 -> 491 us, D128 955 -> 913 us against the same
+  // loop loading them at its end; thirty-eighth session).
+  const auto load_batch = [&](int j0, float (&x)[kBatch]) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const bool in_row = j0 + u < n;
-      blk[u] = in_row ? idx[j0 + u] : -1;
-      x[u] = in_row ? part_lse[(e0 + j0 + u) * hq + head] : -INFINITY;
-    }
+    for (int u = 0; u < kBatch; ++u) x[u] = j0 + u < n ? part_lse[(e0 + j0 + u) * hq + head] : -INFINITY;
   };
-  int blk[kBatch];
   float x[kBatch];
-  load_batch(0, blk, x);
+  load_batch(0, x);
   for (int j0 = 0; j0 < n; j0 += kBatch) {
-    // Which entries count: a valid block that no earlier entry listed, and not a local one
-    // the local pass took.
-    bool counts[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      counts[u] = blk[u] >= 0 && blk[u] < num_blocks && !(local_done && IsLocalToBlock(blk[u], own));
-#pragma unroll
-      for (int u2 = 0; u2 < u; ++u2) counts[u] &= blk[u2] != blk[u];
-    }
-    for (int j2 = 0; j2 < j0; ++j2) {
-      const int earlier = idx[j2];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) counts[u] &= earlier != blk[u];
-    }
     // -inf for an entry that does not count, and for a block with no visible key (+inf):
     // such an entry weighs 0 and its o is not read. Then the o of the rest.
     float m_new = m;
     uint4 raw[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (!counts[u] || x[u] == INFINITY) x[u] = -INFINITY;
+      if (x[u] == INFINITY) x[u] = -INFINITY;
       m_new = fmaxf(m_new, x[u]);
       raw[u] = make_uint4(0u, 0u, 0u, 0u);
       if (x[u] != -INFINITY)
         raw[u] = *reinterpret_cast<const uint4*>(part_o + ((e0 + j0 + u) * hq + head) * D + 8 * ch);
     }
-    int next_blk[kBatch];
     float next_x[kBatch];
-    load_batch(j0 + kBatch, next_blk, next_x);
+    load_batch(j0 + kBatch, next_x);
     if (m_new != -INFINITY) {  // else nothing visible yet
       const float alpha = mma::Exp2(m - m_new);  // 0 for the first visible batch
 #pragma unroll
@@ -280,7 +252,7 @@ __global__ void __launch_bounds__(256, 4)
       m = m_new;
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) blk[u] = next_blk[u], x[u] = next_x[u];
+    for (int u = 0; u < kBatch; ++u) x[u] = next_x[u];
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   alignas(16) scalar_t res[8];

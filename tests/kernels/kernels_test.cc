@@ -970,7 +970,9 @@ TEST(SelectBlocksLongRows, SmallestAndLargestTopN) {
 // Three uses of the slots: all blocks drawn; only even blocks, so every other segment is empty;
 // no slot used at all, so every segment is. With skip_local_of (the key-centric forward's local
 // pass) an entry whose block is local to its position (block 0, its own or the one before) is
-// left out like an unused slot.
+// left out like an unused slot, and so is a block index past the last block (NS). Each entry
+// left out has its rows of the marked buffer set to -inf (NoPartialMarks: the block forward's
+// partial lse, from which its combine tells the entries that count); the others keep theirs.
 TEST(InvertBlockMap, MatchesTheHostDefinition) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const int64_t B = 2, T = 301, G = 3, n = 4;
@@ -986,22 +988,37 @@ TEST(InvertBlockMap, MatchesTheHostDefinition) {
       auto idx = torch::rand({B, T, G, drawn}).argsort(int64_t{-1}).slice(-1, 0, n).to(torch::kInt);
       if (use == Use::kEvenBlocks) idx = idx * 2;
       const double unused = use == Use::kNoSlot ? 1.0 : 0.2;
-      idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx).contiguous();
+      idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx);
+      if (use != Use::kNoSlot) {  // about one slot in twenty past the last block
+        idx = torch::where(torch::rand({B, T, G, n}) < 0.05, torch::full({}, NS, torch::kInt), idx);
+      }
+      idx = idx.contiguous();
       const int slc_block = static_cast<int>((T + NS - 1) / NS);  // NS blocks cover the sequence
       for (const auto& [position_order, skip_local_of] :
            std::vector<std::pair<bool, int>>{{false, 0}, {true, 0}, {false, slc_block}, {true, slc_block}}) {
         SCOPED_TRACE(std::string(position_order ? "position order" : "block order") +
                      (skip_local_of > 0 ? ", local blocks left out" : ""));
-        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order, skip_local_of);
         const int64_t S = B * G * NS, E = idx.numel();
+        constexpr int kRowsPerEntry = 3;
+        const float kept = 7.f;
+        auto marked = torch::full({E * kRowsPerEntry}, kept, torch::TensorOptions().device(torch::kCUDA));
+        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order, skip_local_of,
+                                                      {marked.data_ptr<float>(), kRowsPerEntry});
         const int* e_blk = idx.data_ptr<int>();
         std::vector<int64_t> key(E), entries(E);
         for (int64_t e = 0; e < E; ++e) {
           const int64_t g = (e / n) % G, b = e / (n * G * T), t = (e / (n * G)) % T;
           const int64_t blk = e_blk[e], own = skip_local_of > 0 ? t / skip_local_of : -1;
           const bool local = skip_local_of > 0 && blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
-          key[e] = blk < 0 || local ? S : (b * G + g) * NS + blk;
+          key[e] = blk < 0 || blk >= NS || local ? S : (b * G + g) * NS + blk;
         }
+        const auto marks = marked.cpu();
+        int64_t wrong_marks = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const float want = key[e] == S ? -std::numeric_limits<float>::infinity() : kept;
+          for (int r = 0; r < kRowsPerEntry; ++r) wrong_marks += marks.data_ptr<float>()[e * kRowsPerEntry + r] != want;
+        }
+        EXPECT_EQ(wrong_marks, 0);
         std::iota(entries.begin(), entries.end(), 0);
         std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
         std::vector<int64_t> seg_off(S + 1, 0), chunk_off(S + 1, 0);
