@@ -213,14 +213,14 @@ __device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t til
     for (int hh = 0; hh < kHalvesAtOnce; ++hh) {
       const int h = h0 + hh;
       const float l = mma::QuadSum(st.l[0][h]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? mma::Rcp(l) : 0.f;
       const int r = warp_row0 + (lane >> 2) + 8 * hh;  // the C fragments' row: columns 8 i + 2 c, + 1
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
         const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
       }
-      if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + log2f(l) : INFINITY;
+      if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + mma::Log2(l) : INFINITY;
     }
     __syncwarp();  // the rows are in shared memory
 #pragma unroll
