@@ -205,6 +205,7 @@ __device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t til
                                              const bool (&row_valid)[1][2], int lane) {
   static_assert(kHalvesAtOnce == 1 || kHalvesAtOnce == 2, "8 or 16 rows a pass");
   constexpr int kChunks = D / 8, kRowsPerPass = 32 / kChunks;  // 4 rows a pass at D = 64, 2 at 128
+  static_assert(8 % kRowsPerPass == 0, "a pass's rows lie in one half");
   const int c = lane & 3;
 #pragma unroll
   for (int h0 = 0; h0 < 2; h0 += kHalvesAtOnce) {
@@ -226,20 +227,11 @@ __device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t til
 #pragma unroll
     for (int j = 0; j < 8 * kHalvesAtOnce / kRowsPerPass; ++j) {
       const int rr = kRowsPerPass * j + lane / kChunks, ch = lane % kChunks;  // row of this pass's
-      const int holder = 4 * (rr & 7);  // the lane whose half h0 + rr / 8 is row rr
-      long long idx;
-      int ok;
-      if constexpr (kHalvesAtOnce == 2) {
-        const long long idx0 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][0]), holder);
-        const long long idx1 = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][1]), holder);
-        const int ok0 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][0]), holder);
-        const int ok1 = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][1]), holder);
-        idx = rr < 8 ? idx0 : idx1;
-        ok = rr < 8 ? ok0 : ok1;
-      } else {
-        idx = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][h0]), holder);
-        ok = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][h0]), holder);
-      }
+      // The pass's rows lie in one half (kRowsPerPass divides 8), known when unrolled; row rr's
+      // index and validity sit with lane 4 (rr & 7) of that half.
+      const int h = h0 + kRowsPerPass * j / 8, holder = 4 * (rr & 7);
+      const long long idx = __shfl_sync(0xffffffffu, static_cast<long long>(row_index[0][h]), holder);
+      const int ok = __shfl_sync(0xffffffffu, static_cast<int>(row_valid[0][h]), holder);
       uint4 val;
       asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
                    : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
