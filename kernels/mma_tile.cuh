@@ -543,8 +543,8 @@ __device__ __forceinline__ void FwdFinish(FwdState<D>& st, scalar_t* const (&out
   for (int half = 0; half < 2; ++half) {
     const float l = QuadSum(st.l[half]);
     if (out_row[half] == nullptr) continue;
-    StoreRow<kBf16, D>(out_row[half], st.o, half, l > 0.f ? 1.f / l : 0.f, lane);
-    if ((lane & 3) == 0) *lse_row[half] = l > 0.f ? st.m[half] + log2f(l) : INFINITY;
+    StoreRow<kBf16, D>(out_row[half], st.o, half, l > 0.f ? Rcp(l) : 0.f, lane);
+    if ((lane & 3) == 0) *lse_row[half] = l > 0.f ? st.m[half] + Log2(l) : INFINITY;
   }
 }
 

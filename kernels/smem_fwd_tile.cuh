@@ -180,11 +180,11 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
     for (int h = 0; h < 2; ++h) {
       const float l = mma::QuadSum(st.l[t][h]);
       if (!row_valid[t][h]) continue;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? mma::Rcp(l) : 0.f;
       uint32_t* orow = reinterpret_cast<uint32_t*>(out + row_index[t][h] * D);
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(st.o[t][i][2 * h] * inv, st.o[t][i][2 * h + 1] * inv);
-      if (c == 0) lse[row_index[t][h]] = l > 0.f ? st.m[t][h] + log2f(l) : INFINITY;
+      if (c == 0) lse[row_index[t][h]] = l > 0.f ? st.m[t][h] + mma::Log2(l) : INFINITY;
     }
   }
 }
