@@ -1165,9 +1165,9 @@ __global__ void __launch_bounds__(CmpOnePassCfg::kThreads, 2)
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = mma::QuadSum(sum[h]);
-    inv[h] = l > 0.f ? mma::Rcp(l) : 0.f;
-    row_lse[h] = l > 0.f ? base[h] + mma::Log2(l) : INFINITY;
+    const mma::RowFinish row = mma::FinishRow(base[h], mma::QuadSum(sum[h]));
+    inv[h] = row.inv;
+    row_lse[h] = row.lse;
   }
 #pragma unroll
   for (int nt = 0; nt < kNtAll; ++nt) {

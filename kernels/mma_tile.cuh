@@ -351,6 +351,18 @@ __device__ __forceinline__ float Rcp(float x) {
   return y;
 }
 
+// How a forward finishes a softmax row from its running max m (log2 domain) and its sum l: the
+// factor its output is scaled by (1 / l) and its log2-sum-exp (m + log2 l). A row no key reached
+// (l = 0) gets 0 and +inf: its output is zero, and the backward and the combine read +inf as
+// "attended nothing". Every forward (FwdFinish, smem_fwd::Finish and FinishStaged, the one-pass
+// compressed kernel, the selected partials' combine) finishes its rows here.
+struct RowFinish {
+  float inv, lse;
+};
+__device__ __forceinline__ RowFinish FinishRow(float m, float l) {
+  return l > 0.f ? RowFinish{Rcp(l), m + Log2(l)} : RowFinish{0.f, INFINITY};
+}
+
 __device__ __forceinline__ float QuadMax(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -541,10 +553,10 @@ __device__ __forceinline__ void FwdFinish(FwdState<D>& st, scalar_t* const (&out
                                           float* const (&lse_row)[2], int lane) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float l = QuadSum(st.l[half]);
+    const RowFinish row = FinishRow(st.m[half], QuadSum(st.l[half]));
     if (out_row[half] == nullptr) continue;
-    StoreRow<kBf16, D>(out_row[half], st.o, half, l > 0.f ? Rcp(l) : 0.f, lane);
-    if ((lane & 3) == 0) *lse_row[half] = l > 0.f ? st.m[half] + Log2(l) : INFINITY;
+    StoreRow<kBf16, D>(out_row[half], st.o, half, row.inv, lane);
+    if ((lane & 3) == 0) *lse_row[half] = row.lse;
   }
 }
 

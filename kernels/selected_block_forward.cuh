@@ -254,12 +254,12 @@ __global__ void __launch_bounds__(256, 4)
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) x[u] = next_x[u];
   }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const mma::RowFinish fin = mma::FinishRow(m, l);
   alignas(16) scalar_t res[8];
 #pragma unroll
-  for (int d = 0; d < 8; ++d) res[d] = static_cast<scalar_t>(acc[d] * inv);
+  for (int d = 0; d < 8; ++d) res[d] = static_cast<scalar_t>(acc[d] * fin.inv);
   *reinterpret_cast<uint4*>(out + row * D + 8 * ch) = *reinterpret_cast<const uint4*>(res);
-  if (ch == 0) lse[row] = l > 0.f ? m + log2f(l) : INFINITY;
+  if (ch == 0) lse[row] = fin.lse;
 }
 
 // The local blocks' pass on its own kernel (SelectedKernelChoice::Local::kLocalKernel): head_dim
@@ -284,8 +284,9 @@ struct LocalCfg {
   static constexpr int kAlignSlack = static_cast<int>(wgmma::kSwizzleBytes);
   // 8 output rows a warp after the tiles: the rows leave through them, 16 bytes a lane
   // (smem_fwd::FinishStaged by halves), not as 4-byte fragments.
+  static constexpr int kStageOffset = kBlocks * 2 * kTileBytes;  // from the aligned base
   static constexpr int kStageRowBytes = 4 * 8 * D * 2;
-  static constexpr int kSmemBytes = kAlignSlack + kBlocks * 2 * kTileBytes + kStageRowBytes;
+  static constexpr int kSmemBytes = kAlignSlack + kStageOffset + kStageRowBytes;
   // D = 64: four CTAs an SM (128 registers, 4 x 53 KB of shared memory), as the tiled pass's
   // kernel. D = 128 holds twice Q's fragments and O's accumulators: two (105 KB each).
   static constexpr int kMinCtas = D == 64 ? 4 : 2;
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(LocalCfg<D>::kThreads, LocalCfg<D>::kMinCtas)
     }
     // Through this warp's 8 rows after the K/V tiles (rows 8 warp .. + 7 of that stage). ncu at
     // 64k 12:2 (forty-third session): D = 64 154.9 -> 152.2 us, D = 128 314.3 -> 298.3 us.
-    smem_fwd::FinishStaged<kBf16, D, 1>(st, base + Cfg::kBlocks * 2 * Cfg::kTileBytes, 8 * warp, out, lse, index,
+    smem_fwd::FinishStaged<kBf16, D, 1>(st, base + Cfg::kStageOffset, 8 * warp, out, lse, index,
                                         row_valid, lane);
   }
 }

@@ -178,13 +178,13 @@ __device__ __forceinline__ void Finish(const State<D, kM>& st, scalar_t* out, fl
   for (int t = 0; t < kM; ++t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float l = mma::QuadSum(st.l[t][h]);
+      const mma::RowFinish row = mma::FinishRow(st.m[t][h], mma::QuadSum(st.l[t][h]));
       if (!row_valid[t][h]) continue;
-      const float inv = l > 0.f ? mma::Rcp(l) : 0.f;
+      const float inv = row.inv;
       uint32_t* orow = reinterpret_cast<uint32_t*>(out + row_index[t][h] * D);
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) orow[4 * i + c] = mma::Pack<kBf16>(st.o[t][i][2 * h] * inv, st.o[t][i][2 * h + 1] * inv);
-      if (c == 0) lse[row_index[t][h]] = l > 0.f ? st.m[t][h] + mma::Log2(l) : INFINITY;
+      if (c == 0) lse[row_index[t][h]] = row.lse;
     }
   }
 }
@@ -213,15 +213,15 @@ __device__ __forceinline__ void FinishStaged(const State<D, 1>& st, uint32_t til
 #pragma unroll
     for (int hh = 0; hh < kHalvesAtOnce; ++hh) {
       const int h = h0 + hh;
-      const float l = mma::QuadSum(st.l[0][h]);
-      const float inv = l > 0.f ? mma::Rcp(l) : 0.f;
+      const mma::RowFinish row = mma::FinishRow(st.m[0][h], mma::QuadSum(st.l[0][h]));
+      const float inv = row.inv;
       const int r = warp_row0 + (lane >> 2) + 8 * hh;  // the C fragments' row: columns 8 i + 2 c, + 1
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
         const uint32_t packed = mma::Pack<kBf16>(st.o[0][i][2 * h] * inv, st.o[0][i][2 * h + 1] * inv);
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(tile + mma::SwizzledOffset<D>(r, i) + 4 * c), "r"(packed));
       }
-      if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = l > 0.f ? st.m[0][h] + mma::Log2(l) : INFINITY;
+      if (c == 0 && row_valid[0][h]) lse[row_index[0][h]] = row.lse;
     }
     __syncwarp();  // the rows are in shared memory
 #pragma unroll
