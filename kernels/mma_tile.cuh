@@ -446,7 +446,9 @@ constexpr float kLazyRescaleLog2 = 8.f;
 // kRowGate: each of the lane's rows sees all of the step's keys or none (sees[half]), so the
 // mask is worked out per row, not per score: a row that sees none drops its max and takes
 // p = 2^(0 x - inf) = 0 (its scores are finite: finite inputs, zero-filled rows).
-template <int D, int kN, bool kRowGate, typename Allowed>
+// kFresh: the rows' first step (m = -inf, l = 0, O = 0 on entry, as State::Init leaves them).
+// The reference is the step's max; nothing is rescaled, so O stays a known zero until P V.
+template <int D, int kN, bool kRowGate, bool kFresh, typename Allowed>
 __device__ __forceinline__ void OnlineSoftmaxLazyRescaleImpl(float (&s)[kN / 8][4], float (&o)[D / 8][4],
                                                              float (&m)[2], float (&l)[2], float scale_log2,
                                                              Allowed allowed, const bool (&sees)[2], int lane) {
@@ -469,7 +471,10 @@ __device__ __forceinline__ void OnlineSoftmaxLazyRescaleImpl(float (&s)[kN / 8][
   }
   // -inf + 8 is -inf: a row's first finite max always moves its reference.
   const bool rises = row_max[0] > m[0] + kLazyRescaleLog2 || row_max[1] > m[1] + kLazyRescaleLog2;
-  if (__any_sync(0xffffffffu, rises)) {  // warp-uniform, so the skip saves the instructions
+  if constexpr (kFresh) {
+    m[0] = row_max[0];
+    m[1] = row_max[1];
+  } else if (__any_sync(0xffffffffu, rises)) {  // warp-uniform, so the skip saves the instructions
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float m_new = fmaxf(m[half], row_max[half]);
@@ -503,19 +508,20 @@ __device__ __forceinline__ void OnlineSoftmaxLazyRescaleImpl(float (&s)[kN / 8][
 }
 
 // Scores allowed(half, key) rejects become -inf.
-template <int D, int kN, typename Allowed>
+template <int D, int kN, bool kFresh = false, typename Allowed>
 __device__ __forceinline__ void OnlineSoftmaxLazyRescale(float (&s)[kN / 8][4], float (&o)[D / 8][4],
                                                          float (&m)[2], float (&l)[2], float scale_log2,
                                                          Allowed allowed, int lane) {
   const bool all[2] = {true, true};
-  OnlineSoftmaxLazyRescaleImpl<D, kN, false>(s, o, m, l, scale_log2, allowed, all, lane);
+  OnlineSoftmaxLazyRescaleImpl<D, kN, false, kFresh>(s, o, m, l, scale_log2, allowed, all, lane);
 }
 // Row g + 8 half sees every score of the step if sees[half], else none.
 template <int D, int kN>
 __device__ __forceinline__ void OnlineSoftmaxLazyRescaleRows(float (&s)[kN / 8][4], float (&o)[D / 8][4],
                                                              float (&m)[2], float (&l)[2], float scale_log2,
                                                              const bool (&sees)[2], int lane) {
-  OnlineSoftmaxLazyRescaleImpl<D, kN, true>(s, o, m, l, scale_log2, [](int, int) { return true; }, sees, lane);
+  OnlineSoftmaxLazyRescaleImpl<D, kN, true, false>(s, o, m, l, scale_log2, [](int, int) { return true; }, sees,
+                                                   lane);
 }
 
 // One step of the forward over keys [key0, key0 + count) (count <= kN) whose rows start at

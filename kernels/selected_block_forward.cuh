@@ -156,11 +156,13 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
       bool sees_all = w.keys.count == kN;
 #pragma unroll
       for (int m = 0; m < kM; ++m) sees_all &= w.keys.start + kN - 1 <= min(t[m][0], t[m][1]);
+      // A row's one step (kFresh): no rescale of O, which stays a known zero until P V rather
+      // than 32 (D / 2) live accumulators through Q K^T.
       if (__all_sync(0xffffffffu, sees_all)) {
-        smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(st, sc, kbuf + Cfg::kTileBytes, scale_log2,
-                                              [](int, int, int) { return true; }, lane);
+        smem_fwd::SoftmaxPV<kBf16, D, kM, kN, true>(st, sc, kbuf + Cfg::kTileBytes, scale_log2,
+                                                    [](int, int, int) { return true; }, lane);
       } else {
-        smem_fwd::SoftmaxPV<kBf16, D, kM, kN>(
+        smem_fwd::SoftmaxPV<kBf16, D, kM, kN, true>(
             st, sc, kbuf + Cfg::kTileBytes, scale_log2,
             [&](int m, int h, int key) { return key < w.keys.count && w.keys.start + key <= t[m][h]; }, lane);
       }

@@ -140,13 +140,14 @@ __device__ __forceinline__ void Scores(float (&sc)[kM][kN / 8][4], const uint32_
 }
 
 // Online softmax of sc (allowed(t, h, key): may row g + 8h of m-tile t attend tile-relative
-// key `key`; not allowed scores become -inf) and O += P V with V staged at vbuf.
-template <bool kBf16, int D, int kM, int kN, typename Allowed>
+// key `key`; not allowed scores become -inf) and O += P V with V staged at vbuf. kFresh: st is
+// as Init left it (the rows' first step; mma::OnlineSoftmaxLazyRescale).
+template <bool kBf16, int D, int kM, int kN, bool kFresh = false, typename Allowed>
 __device__ __forceinline__ void SoftmaxPV(State<D, kM>& st, float (&sc)[kM][kN / 8][4], uint32_t vbuf,
                                           float scale_log2, Allowed allowed, int lane) {
 #pragma unroll
   for (int t = 0; t < kM; ++t) {
-    mma::OnlineSoftmaxLazyRescale<D, kN>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
+    mma::OnlineSoftmaxLazyRescale<D, kN, kFresh>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
                                          [&](int h, int key) { return allowed(t, h, key); }, lane);
   }
   // P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
