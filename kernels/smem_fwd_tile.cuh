@@ -148,7 +148,7 @@ __device__ __forceinline__ void SoftmaxPV(State<D, kM>& st, float (&sc)[kM][kN /
 #pragma unroll
   for (int t = 0; t < kM; ++t) {
     mma::OnlineSoftmaxLazyRescale<D, kN, kFresh>(sc[t], st.o[t], st.m[t], st.l[t], scale_log2,
-                                         [&](int h, int key) { return allowed(t, h, key); }, lane);
+                                                 [&](int h, int key) { return allowed(t, h, key); }, lane);
   }
   // P's C fragments of key tiles 2kk, 2kk+1 are the A fragment of k16 step kk;
   // ldmatrix.trans gives V's B fragments (keys 16kk.., head-dim tiles 2p, 2p+1).
