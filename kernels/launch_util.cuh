@@ -264,11 +264,9 @@ __device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
 // the one before it. The selection always takes them (select_blocks.cu), and every position
 // of a block shares them, so the key-centric forward can hand them to a tiled pass over
 // neighbouring positions (SelectedKernelChoice::Local). An unused slot (-1) is not local.
-__device__ __forceinline__ bool IsLocalToBlock(int blk, int own) {  // own = t / slc_block
-  return blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
-}
 __device__ __forceinline__ bool IsLocalBlock(int blk, int t, int slc_block) {
-  return IsLocalToBlock(blk, t / slc_block);
+  const int own = t / slc_block;
+  return blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
 }
 
 // A float32 tensor of zeros written by cudaMemsetAsync: at::zeros runs a fill kernel, which
