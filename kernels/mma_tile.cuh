@@ -469,23 +469,25 @@ __device__ __forceinline__ void OnlineSoftmaxLazyRescaleImpl(float (&s)[kN / 8][
     row_max[half] = QuadMax(fmaxf(mx[0], mx[1])) * scale_log2;  // scale_log2 > 0 keeps the order
     if constexpr (kRowGate) row_max[half] = sees[half] ? row_max[half] : -INFINITY;
   }
-  // -inf + 8 is -inf: a row's first finite max always moves its reference.
-  const bool rises = row_max[0] > m[0] + kLazyRescaleLog2 || row_max[1] > m[1] + kLazyRescaleLog2;
   if constexpr (kFresh) {
     m[0] = row_max[0];
     m[1] = row_max[1];
-  } else if (__any_sync(0xffffffffu, rises)) {  // warp-uniform, so the skip saves the instructions
+  } else {
+    // -inf + 8 is -inf: a row's first finite max always moves its reference.
+    const bool rises = row_max[0] > m[0] + kLazyRescaleLog2 || row_max[1] > m[1] + kLazyRescaleLog2;
+    if (__any_sync(0xffffffffu, rises)) {  // warp-uniform, so the skip saves the instructions
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float m_new = fmaxf(m[half], row_max[half]);
-      const float alpha = Exp2(m[half] - (m_new == -INFINITY ? 0.f : m_new));  // 0 from -inf
-      l[half] *= alpha;
+      for (int half = 0; half < 2; ++half) {
+        const float m_new = fmaxf(m[half], row_max[half]);
+        const float alpha = Exp2(m[half] - (m_new == -INFINITY ? 0.f : m_new));  // 0 from -inf
+        l[half] *= alpha;
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        o[i][2 * half] *= alpha;
-        o[i][2 * half + 1] *= alpha;
+        for (int i = 0; i < D / 8; ++i) {
+          o[i][2 * half] *= alpha;
+          o[i][2 * half + 1] *= alpha;
+        }
+        m[half] = m_new;
       }
-      m[half] = m_new;
     }
   }
 #pragma unroll
