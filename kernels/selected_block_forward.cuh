@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
                                                                    2 * ks + (lane >> 4)));
         }
       }
-      int64_t p_row[kM][2];
+      // The lane's rows' positions now; their partial rows only at the store, so that the
+      // 64-bit indices are not live through the products (80 registers at D = 64).
       bool valid[kM][2];
       int t[kM][2];
 #pragma unroll
@@ -144,7 +145,6 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
           int i, head;
           by_hq.DivMod(valid[m][h] ? r : 0, i, head);
           t[m][h] = pos[i];
-          p_row[m][h] = static_cast<int64_t>(entry[i]) * hq + head;
         }
       }
       smem_fwd::State<D, kM> st;
@@ -170,6 +170,13 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
       // past its position) gets +inf, which the combine skips.
       // Through the warp's own 16 Q rows of this step's buffer, read already.
       static_assert(kM == 1, "FinishStaged takes one m16 tile a warp");
+      int64_t p_row[kM][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int i, head;
+        by_hq.DivMod(valid[0][h] ? row0 + (lane >> 2) + 8 * h : 0, i, head);
+        p_row[0][h] = static_cast<int64_t>(entry[i]) * hq + head;
+      }
       smem_fwd::FinishStaged<kBf16, D>(st, qbuf, 16 * warp, part_o, part_lse, p_row, valid, lane);
     }
     __syncthreads();  // everyone is done with buf before the next step stages into it
