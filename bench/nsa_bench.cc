@@ -3,10 +3,14 @@
 // only, GQA via enable_gqa so K/V are not expanded), forward and forward+backward.
 //
 //   nsa_bench [--seqs 2048,8192,16384,32768,65536] [--dims 64,128] [--heads 12:2,64:4]
-//             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1]
+//             [--reps 5] [--warmup 2] [--batch 1] [--slc-only 0|1] [--layer 0|1]
 //             [--slc-fwd auto|rows|heads|tiled|blocks] [--slc-dkdv auto|staged16x3|staged32x1|staged32x3|unstaged|wgmma]
 //             [--slc-dq auto|query|fused] [--slc-qpc N] [--slc-order auto|block|position] [--slc-combine auto|one|batch4] [--slc-local auto|blocks|tiled|kernel] [--win-fwd auto|flash|tiled] [--win-bwd auto|flash|wgmma] [--win-qpc N] [--cmp-kernel auto|own|registers|dense] [--cmp-map auto|product|slots|lane-sync] [--cmp-key-side auto|smem|wgmma] [--cmp-pass auto|two]
 //             [--tiled-mma auto|sync|wgmma|wgmma1|wgmma-overlap]
+//
+// --layer 1 also times the node training runs, BranchesMixed (nsa_cuda.h: the three branches,
+// the selection on its importance without the causal zero tail, RoPE of q and the gate mix),
+// forward and forward+backward, before the row's other timings, as a line of its own.
 //
 // --slc-only 1 times only the selected branch (forward, and its backward alone from saved
 // out/lse) and prints how many distinct blocks 16/32/64 consecutive positions select
@@ -246,6 +250,35 @@ CudnnTimes TimeCudnn(const torch::Tensor& q, const torch::Tensor& k, const torch
   return r;
 }
 
+// --layer: the training node's forward and forward+backward (BranchesMixed), with k, v serving
+// the selected and the window branch alike and uniform gates. RoPE's tables as the model's
+// (theta 10000), made here: the bench links the kernels alone.
+void TimeLayer(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kc,
+               const torch::Tensor& vc, const torch::Tensor& grad, const Geometry& geo, int warmup, int reps) {
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const auto f32 = q.options().dtype(torch::kFloat);
+  const auto inv_freq = torch::pow(10000.0, torch::arange(0, D / 2, f32) * (-2.0 / static_cast<double>(D)));
+  const auto angles = torch::outer(torch::arange(T, f32), inv_freq);
+  const auto cos = angles.cos(), sin = angles.sin();
+  const auto gates = torch::full({B, T, H, 3}, 1.0 / 3.0, q.options());
+  const double fwd = MedianMs([&] { nsa_cuda::BranchesMixed(q, cos, sin, kc, vc, k, v, k, v, gates, geo); },
+                              warmup, reps);
+  torch::AutoGradMode grad_on(true);
+  auto ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+       vl = v.detach().requires_grad_(true), kcl = kc.detach().requires_grad_(true),
+       vcl = vc.detach().requires_grad_(true), gl = gates.detach().requires_grad_(true);
+  const double fb = MedianMs(
+      [&] {
+        ClearGrads({ql, kl, vl, kcl, vcl, gl});
+        auto out = nsa_cuda::BranchesMixed(ql, cos, sin, kcl, vcl, kl, vl, kl, vl, gl, geo).first;
+        torch::autograd::backward({out}, {grad});
+      },
+      warmup, reps);
+  std::printf("  layer (BranchesMixed) T=%lld D=%lld: fwd %.3f ms, fwd+bwd %.3f ms\n", static_cast<long long>(T),
+              static_cast<long long>(D), fwd, fb);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,7 +288,7 @@ int main(int argc, char** argv) {
   struct Heads { int64_t H, G; };
   std::vector<Heads> head_cfgs = {{12, 2}, {64, 4}};
   int reps = 5, warmup = 2;
-  bool slc_only = false;
+  bool slc_only = false, layer = false;
   Choice choice;
   CmpChoice cmp_choice;
   WinChoice win_choice;
@@ -278,6 +311,7 @@ int main(int argc, char** argv) {
     else if (a == "--batch") batch = std::atoll(argv[i + 1]);
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--slc-only") slc_only = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--layer") layer = std::atoi(argv[i + 1]) != 0;
     else if (a == "--cmp-kernel") {
       if (!ParseChoiceFlag("--cmp-kernel", kCmpNames, argv[i + 1], cmp_choice.path)) return 2;
     } else if (a == "--cmp-map") {
@@ -426,6 +460,7 @@ int main(int argc, char** argv) {
           return std::vector<torch::Tensor>{cmp.out, slc, win};
         };
 
+        if (layer) TimeLayer(q, k, v, kc, vc, grad, geo, warmup, reps);
         const double dense_f = MedianMs([&] { dense_fwd(q, k, v); }, warmup, reps);
         const double nsa_f = MedianMs([&] { nsa_fwd(q, k, v, kc, vc); }, warmup, reps);
         // Per-branch forward times.
