@@ -81,7 +81,7 @@ for round in $(seq "${ROUNDS:-2}"); do
         step "round $round nsa_bench [${var:-default}] $name"
         # shellcheck disable=SC2086
         timeout 240 "$dir/bench/nsa_bench" $nsa_args $var > "$out/nsa_bench.log.tmp" 2>&1 || status=1
-        grep -E "^#.*(MMAs|forward|kernels)|^ *seq|^ *[0-9]" "$out/nsa_bench.log.tmp" | grep -v ceilings
+        grep -E "^#.*(MMAs|forward|kernels)|^ *seq|^ *[0-9]|^ *layer" "$out/nsa_bench.log.tmp" | grep -v ceilings
         cat "$out/nsa_bench.log.tmp" >> "$out/nsa_bench.log"
       fi
       if [ "$train_args" != skip ]; then
