@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "nsa/ops.h"
+#include "nsa/rope.h"
 #include "launchers.h"
 #include "nsa_cuda.h"
 #include "kernel_choice_names.h"
@@ -251,15 +252,14 @@ CudnnTimes TimeCudnn(const torch::Tensor& q, const torch::Tensor& k, const torch
 }
 
 // --layer: the training node's forward and forward+backward (BranchesMixed), with k, v serving
-// the selected and the window branch alike and uniform gates. RoPE's tables as the model's
-// (theta 10000), made here: the bench links the kernels alone.
+// the selected and the window branch alike and uniform gates; RoPE's tables as the model's
+// (theta 10000).
 void TimeLayer(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kc,
                const torch::Tensor& vc, const torch::Tensor& grad, const Geometry& geo, int warmup, int reps) {
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const auto f32 = q.options().dtype(torch::kFloat);
-  const auto inv_freq = torch::pow(10000.0, torch::arange(0, D / 2, f32) * (-2.0 / static_cast<double>(D)));
-  const auto angles = torch::outer(torch::arange(T, f32), inv_freq);
-  const auto cos = angles.cos(), sin = angles.sin();
+  const auto rope = nsad::nsa::MakeRopeTable(torch::arange(T, q.options().dtype(torch::kLong)), D, 10000.0,
+                                             torch::kFloat);
+  const auto &cos = rope.cos, &sin = rope.sin;
   const auto gates = torch::full({B, T, H, 3}, 1.0 / 3.0, q.options());
   const double fwd = MedianMs([&] { nsa_cuda::BranchesMixed(q, cos, sin, kc, vc, k, v, k, v, gates, geo); },
                               warmup, reps);
