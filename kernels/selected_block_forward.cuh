@@ -134,16 +134,16 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
       }
       // The lane's rows' positions now; their partial rows only at the store, so that the
       // 64-bit indices are not live through the products (80 registers at D = 64).
+      const auto row_of = [&](int m, int h) { return row0 + 16 * m + (lane >> 2) + 8 * h; };
       bool valid[kM][2];
       int t[kM][2];
 #pragma unroll
       for (int m = 0; m < kM; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = row0 + 16 * m + (lane >> 2) + 8 * h;
-          valid[m][h] = r < total;
+          valid[m][h] = row_of(m, h) < total;
           int i, head;
-          by_hq.DivMod(valid[m][h] ? r : 0, i, head);
+          by_hq.DivMod(valid[m][h] ? row_of(m, h) : 0, i, head);
           t[m][h] = pos[i];
         }
       }
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(BlockFwdCfg<D>::kThreads, BlockFwdCfg<D>::kMin
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         int i, head;
-        by_hq.DivMod(valid[0][h] ? row0 + (lane >> 2) + 8 * h : 0, i, head);
+        by_hq.DivMod(valid[0][h] ? row_of(0, h) : 0, i, head);
         p_row[0][h] = static_cast<int64_t>(entry[i]) * hq + head;
       }
       smem_fwd::FinishStaged<kBf16, D>(st, qbuf, 16 * warp, part_o, part_lse, p_row, valid, lane);
