@@ -53,6 +53,34 @@ __global__ void MoveRowsKernel(const Vec* __restrict__ src, Vec* __restrict__ ds
   }
 }
 
+// UnpackCompressedRows into float32 [B,T,H,D] (every element written; zero before first): one
+// 16-byte piece (8 elements) of a packed row in, two float4s out, per thread.
+template <typename scalar_t>
+__global__ void UnpackToFloatKernel(const Vec* __restrict__ src, float4* __restrict__ dst, int B, int T, int H,
+                                    int N, int first, int stride, int vecs) {
+  constexpr int kPer = sizeof(Vec) / sizeof(scalar_t);
+  static_assert(kPer == 8, "8 16-bit elements a piece");
+  const int64_t total = static_cast<int64_t>(B) * T * H * vecs;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs;
+    const int piece = static_cast<int>(i % vecs);
+    const int h = static_cast<int>(row % H);
+    const int t = static_cast<int>((row / H) % T);
+    const int b = static_cast<int>(row / (static_cast<int64_t>(H) * T));
+    float f[kPer] = {};
+    if (t >= first) {
+      const int a = (t - first) / stride, r = (t - first) % stride;
+      const int64_t src_row = (static_cast<int64_t>(b) * N + a) * H * stride + h * stride + r;
+      const Packed<scalar_t, kPer> x = *reinterpret_cast<const Packed<scalar_t, kPer>*>(src + src_row * vecs + piece);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) f[k] = static_cast<float>(x.v[k]);
+    }
+    dst[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+    dst[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
 // lse [B, H*d, N] (natural log) -> [B,T,H] in log2 units, +inf where a position sees no block.
 __global__ void LseFromPackedKernel(const float* __restrict__ packed, float* __restrict__ lse, int B, int T,
                                     int H, int N, int first, int stride) {
@@ -106,6 +134,28 @@ at::Tensor UnpackCompressedRows(const at::Tensor& packed, int64_t T, const Geo& 
   auto x = at::empty({B, T, H, packed.size(3)}, packed.options());
   MoveRows(packed, x, T, H, N, g, /*to_packed=*/false);
   return x;
+}
+
+void UnpackCompressedRowsToFloat(const at::Tensor& packed, at::Tensor& out, const Geo& g) {
+  CheckRows(packed, "packed");
+  TORCH_CHECK(packed.element_size() == 2, "packed rows to float32: bf16 or fp16 rows, got ", packed.scalar_type());
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 4,
+              "out must be a contiguous float32 [B,T,H,D] CUDA tensor");
+  const int64_t B = packed.size(0), N = packed.size(1), T = out.size(1), H = out.size(2);
+  TORCH_CHECK(out.size(0) == B && out.size(3) == packed.size(3) && H * g.cmp_stride == packed.size(2) &&
+                  N == NumCmpBlocks(T, g),
+              "packed rows ", packed.sizes(), " do not match out ", out.sizes());
+  TORCH_CHECK(AlignedFor(out, 4), "out must be 16-byte aligned");
+  if (out.numel() == 0) return;
+  const int vecs = static_cast<int>(packed.size(3) * packed.element_size() / sizeof(Vec));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(packed.scalar_type(), "nsa_unpack_rows_float", [&] {
+    UnpackToFloatKernel<scalar_t><<<GridStride(out.numel() / packed.size(3) * vecs), kThreads, 0,
+                                    at::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const Vec*>(packed.data_ptr()), reinterpret_cast<float4*>(out.data_ptr()),
+        static_cast<int>(B), static_cast<int>(T), static_cast<int>(H), static_cast<int>(N), g.cmp_block - 1,
+        g.cmp_stride, vecs);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor CompressedLseFromPacked(const at::Tensor& lse_packed, int64_t T, const Geo& g) {

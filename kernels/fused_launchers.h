@@ -44,10 +44,19 @@ at::Tensor RopeBackward(const std::vector<at::Tensor>& grads, const at::Tensor& 
 // every row (see PartPointer in rope.cu).
 int64_t RopeKernelsLocalBytes();
 
+// Branch a held as the compressed branch's packed query rows (the cuDNN path's layout,
+// compressed_packed.cu: [B, N, H*stride, D]) instead of [B,T,H,D]: position t >= first of head h
+// is packed row ((b N + (t - first) / stride) H + h) stride + (t - first) % stride; a position
+// before first has no row (the branch's output there is zero). BranchesMixed mixes cuDNN's
+// output there and writes its gradient there, without unpacking and packing the rows.
+struct CmpPackedRows {
+  int T = 0, H = 0, N = 0, first = 0, stride = 1;
+};
+
 // out = g0 * a + g1 * b + g2 * c with gates [B,T,H,3] and a, b, c [B,T,H,D], all contiguous
-// and of one dtype.
+// and of one dtype; a in packed rows where a_packed is given.
 at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-                          const at::Tensor& c);
+                          const at::Tensor& c, const CmpPackedRows* a_packed = nullptr);
 // Returns d_gates, d_a, d_b, d_c. With deltas, *deltas becomes float32 [3,B,T,H]: for each
 // branch k, rowsum(d_k * k) over head_dim of the rounded d_k -- the attention backward's
 // delta for that branch, as RowDot would compute it from d_k, while the row is loaded anyway.
@@ -68,9 +77,12 @@ struct GateFold {
   at::Tensor folded_lse[3];  // out
   at::Tensor dout;           // out
 };
+// With a_packed, a is in packed rows (GateMixForward) and so is d_a, whose rows for the slots
+// past T (the last row's) are zero, as PackCompressedRows leaves them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c, at::Tensor* deltas = nullptr, GateFold* fold = nullptr);
+    const at::Tensor& c, at::Tensor* deltas = nullptr, GateFold* fold = nullptr,
+    const CmpPackedRows* a_packed = nullptr);
 
 // Cross-entropy of logits [N, V] (contiguous) against int64 targets [N]: per-row loss
 // (log-sum-exp - logit of the target; 0 where target == ignore_index, NaN where the target

@@ -33,24 +33,55 @@ __device__ __forceinline__ RowGates LoadGates(const scalar_t* __restrict__ gates
 
 constexpr int kMixVec = 8;
 
+// Branch a's row for (b, t, h) row `row` of [B,T,H]: the row itself, or with kPackedA its packed
+// row (CmpPackedRows), -1 where t sees no compressed block.
+template <bool kPackedA>
+__device__ __forceinline__ int64_t RowOfA(int64_t row, const CmpPackedRows& p) {
+  if constexpr (!kPackedA) {
+    return row;
+  } else {
+    const int64_t bt = row / p.H;
+    const int h = static_cast<int>(row - bt * p.H);
+    const int64_t b = bt / p.T;
+    const int t = static_cast<int>(bt - b * p.T);
+    if (t < p.first) return -1;
+    const int a = (t - p.first) / p.stride, r = t - p.first - a * p.stride;
+    return ((b * p.N + a) * p.H + h) * p.stride + r;
+  }
+}
+
+// kVec elements of a at element `i` of row a_row, zeros where the row has none.
+template <bool kPackedA, int kVec, typename scalar_t>
+__device__ __forceinline__ Packed<scalar_t, kVec> LoadA(const scalar_t* __restrict__ a, int64_t a_row, int64_t i) {
+  Packed<scalar_t, kVec> v;
+  if (!kPackedA || a_row >= 0) {
+    v = *reinterpret_cast<const Packed<scalar_t, kVec>*>(a + i);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v.v[k] = static_cast<scalar_t>(0.f);
+  }
+  return v;
+}
+
 // `lanes` (a power of two up to 32) lanes per (b, t, h) row, kVec elements each per access:
 // kVec = 8 with D/8 lanes (16-byte accesses for 16-bit types), or kVec = 1 with a warp per
 // row. Rows past the end still run the backward's shuffles (with nothing loaded), so that
 // every lane of a warp takes part in them.
-template <typename scalar_t, int kVec>
+template <typename scalar_t, int kVec, bool kPackedA>
 __global__ void __launch_bounds__(kThreads)
     GateMixForwardKernel(const scalar_t* __restrict__ gates, const scalar_t* __restrict__ a,
                          const scalar_t* __restrict__ b, const scalar_t* __restrict__ c,
-                         scalar_t* __restrict__ out, int64_t rows, int D, int lanes) {
+                         scalar_t* __restrict__ out, int64_t rows, int D, int lanes, CmpPackedRows a_rows) {
   using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread / lanes;
   const int lane = static_cast<int>(thread % lanes);
   if (row >= rows) return;  // no shuffles here
   const auto [g0, g1, g2] = LoadGates(gates, row);
+  const int64_t a_row = RowOfA<kPackedA>(row, a_rows);
   for (int d = lane * kVec; d < D; d += lanes * kVec) {
     const int64_t i = row * D + d;
-    const Vec va = *reinterpret_cast<const Vec*>(a + i), vb = *reinterpret_cast<const Vec*>(b + i),
+    const Vec va = LoadA<kPackedA, kVec>(a, a_row, a_row * D + d), vb = *reinterpret_cast<const Vec*>(b + i),
               vc = *reinterpret_cast<const Vec*>(c + i);
     Vec vo;
 #pragma unroll
@@ -76,14 +107,14 @@ struct FoldPtrs {
   float* folded_lse[3];
 };
 
-template <typename scalar_t, int kVec>
+template <typename scalar_t, int kVec, bool kPackedA>
 __global__ void __launch_bounds__(kThreads)
     GateMixBackwardKernel(const scalar_t* __restrict__ dout, const scalar_t* __restrict__ gates,
                           const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
                           const scalar_t* __restrict__ c, scalar_t* __restrict__ dgates,
                           scalar_t* __restrict__ da, scalar_t* __restrict__ db,
                           scalar_t* __restrict__ dc, float* __restrict__ deltas, FoldPtrs fold,
-                          int64_t rows, int D, int lanes) {
+                          int64_t rows, int D, int lanes, CmpPackedRows a_rows) {
   using Vec = Packed<scalar_t, kVec>;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t row = thread >> (__ffs(lanes) - 1);  // lanes is a power of two
@@ -108,9 +139,10 @@ __global__ void __launch_bounds__(kThreads)
         if (k % lanes == lane && fold.folded_lse[k] != nullptr) lse[k] = fold.lse[k][row];
       }
     }
+    const int64_t a_row = RowOfA<kPackedA>(row, a_rows);
     for (int d = lane * kVec; d < D; d += lanes * kVec) {
       const int64_t i = row * D + d;
-      const Vec vg = *reinterpret_cast<const Vec*>(dout + i), va = *reinterpret_cast<const Vec*>(a + i),
+      const Vec vg = *reinterpret_cast<const Vec*>(dout + i), va = LoadA<kPackedA, kVec>(a, a_row, a_row * D + d),
                 vb = *reinterpret_cast<const Vec*>(b + i), vc = *reinterpret_cast<const Vec*>(c + i);
       Vec wa, wb, wc;
 #pragma unroll
@@ -126,7 +158,7 @@ __global__ void __launch_bounds__(kThreads)
         r1 += static_cast<float>(wb.v[k]) * static_cast<float>(vb.v[k]);
         r2 += static_cast<float>(wc.v[k]) * static_cast<float>(vc.v[k]);
       }
-      if (da != nullptr) *reinterpret_cast<Vec*>(da + i) = wa;
+      if (da != nullptr && (!kPackedA || a_row >= 0)) *reinterpret_cast<Vec*>(da + a_row * D + d) = wa;
       if (db != nullptr) *reinterpret_cast<Vec*>(db + i) = wb;
       if (dc != nullptr) *reinterpret_cast<Vec*>(dc + i) = wc;
     }
@@ -169,46 +201,82 @@ dim3 LaneGrid(int64_t rows, int lanes) {
   return dim3(static_cast<unsigned>((rows * lanes + kThreads - 1) / kThreads));
 }
 
-void CheckMixInputs(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c) {
+// b's shape [B,T,H,D] is the output's; a has it too, or packed rows of it (a_packed).
+void CheckMixInputs(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                    const CmpPackedRows* a_packed) {
   for (const at::Tensor* t : {&gates, &a, &b, &c}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->dim() == 4,
                 "gate mixing takes contiguous 4-d CUDA tensors");
-    TORCH_CHECK(t->scalar_type() == a.scalar_type(), "gate mixing inputs must have one dtype");
+    TORCH_CHECK(t->scalar_type() == b.scalar_type(), "gate mixing inputs must have one dtype");
   }
-  TORCH_CHECK(b.sizes() == a.sizes() && c.sizes() == a.sizes(),
-              "branch outputs must have one shape");
-  TORCH_CHECK(gates.size(0) == a.size(0) && gates.size(1) == a.size(1) &&
-                  gates.size(2) == a.size(2) && gates.size(3) == 3,
-              "gates must be [B,T,H,3] for outputs ", a.sizes(), ", got ", gates.sizes());
+  TORCH_CHECK(c.sizes() == b.sizes(), "branch outputs must have one shape");
+  if (a_packed == nullptr) {
+    TORCH_CHECK(a.sizes() == b.sizes(), "branch outputs must have one shape");
+  } else {
+    const CmpPackedRows& p = *a_packed;
+    // Every position from first on has a row, and the last row starts before T.
+    TORCH_CHECK(p.T == b.size(1) && p.H == b.size(2) && p.stride >= 1 && p.first >= 0 && p.N >= 0 &&
+                    (p.N == 0 ? p.first >= p.T : p.first + static_cast<int64_t>(p.N) * p.stride >= p.T &&
+                                                     p.first + static_cast<int64_t>(p.N - 1) * p.stride < p.T),
+                "packed rows (T ", p.T, ", H ", p.H, ", N ", p.N, ", first ", p.first, ", stride ", p.stride,
+                ") do not cover outputs ", b.sizes());
+    TORCH_CHECK(a.size(0) == b.size(0) && a.size(1) == p.N && a.size(2) == static_cast<int64_t>(p.H) * p.stride &&
+                    a.size(3) == b.size(3),
+                "packed branch a must be [B, N, H*stride, D] = [", b.size(0), ", ", p.N, ", ",
+                static_cast<int64_t>(p.H) * p.stride, ", ", b.size(3), "], got ", a.sizes());
+  }
+  TORCH_CHECK(gates.size(0) == b.size(0) && gates.size(1) == b.size(1) &&
+                  gates.size(2) == b.size(2) && gates.size(3) == 3,
+              "gates must be [B,T,H,3] for outputs ", b.sizes(), ", got ", gates.sizes());
+}
+
+// Zero the rows of packed d_a past T (the last row's slots from T - first - (N-1) stride on), which
+// no (b, t, h) row writes: cuDNN's backward reads them as the gradient of zero queries.
+void ZeroPackedTail(at::Tensor& da, const CmpPackedRows& p) {
+  if (p.N == 0) return;
+  const int64_t past = p.T - p.first - static_cast<int64_t>(p.N - 1) * p.stride;  // in 1..stride
+  if (past >= p.stride) return;
+  da.view({da.size(0), p.N, p.H, p.stride, da.size(3)}).select(1, p.N - 1).narrow(2, past, p.stride - past).zero_();
+}
+
+template <typename scalar_t, int kVec>
+auto ForwardKernel(bool packed) {
+  return packed ? GateMixForwardKernel<scalar_t, kVec, true> : GateMixForwardKernel<scalar_t, kVec, false>;
+}
+template <typename scalar_t, int kVec>
+auto BackwardKernel(bool packed) {
+  return packed ? GateMixBackwardKernel<scalar_t, kVec, true> : GateMixBackwardKernel<scalar_t, kVec, false>;
 }
 
 }  // namespace
 
 at::Tensor GateMixForward(const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-                          const at::Tensor& c) {
-  CheckMixInputs(gates, a, b, c);
-  auto out = at::empty_like(a);
-  const int64_t rows = a.size(0) * a.size(1) * a.size(2);
-  if (rows == 0 || a.size(3) == 0) return out;
-  const int lanes = VectorLanes(a.size(3), {&a, &b, &c, &out});
-  NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_forward", [&] {
+                          const at::Tensor& c, const CmpPackedRows* a_packed) {
+  CheckMixInputs(gates, a, b, c, a_packed);
+  auto out = at::empty_like(b);
+  const int64_t rows = b.size(0) * b.size(1) * b.size(2);
+  if (rows == 0 || b.size(3) == 0) return out;
+  const int lanes = VectorLanes(b.size(3), {&a, &b, &c, &out});
+  const CmpPackedRows a_rows = a_packed ? *a_packed : CmpPackedRows{};
+  NSA_DISPATCH_TYPES(b.scalar_type(), "nsa_gate_mix_forward", [&] {
     const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
-    Launch(vec ? GateMixForwardKernel<scalar_t, kMixVec> : GateMixForwardKernel<scalar_t, 1>,
+    const bool packed = a_packed != nullptr;
+    Launch(vec ? ForwardKernel<scalar_t, kMixVec>(packed) : ForwardKernel<scalar_t, 1>(packed),
            LaneGrid(rows, vec ? lanes : 32), 0, gates.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
            b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows,
-           static_cast<int>(a.size(3)), vec ? lanes : 32);
+           static_cast<int>(b.size(3)), vec ? lanes : 32, a_rows);
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     const at::Tensor& dout_in, const at::Tensor& gates, const at::Tensor& a, const at::Tensor& b,
-    const at::Tensor& c, at::Tensor* deltas, GateFold* fold) {
-  CheckMixInputs(gates, a, b, c);
-  TORCH_CHECK(dout_in.sizes() == a.sizes(), "gradient must have the output's shape");
+    const at::Tensor& c, at::Tensor* deltas, GateFold* fold, const CmpPackedRows* a_packed) {
+  CheckMixInputs(gates, a, b, c, a_packed);
+  TORCH_CHECK(dout_in.sizes() == b.sizes(), "gradient must have the output's shape");
   TORCH_CHECK(!fold || deltas, "folding gates into the branches' backwards needs their deltas");
-  const auto dout = dout_in.to(a.scalar_type()).contiguous();
+  TORCH_CHECK(!a_packed || !fold || !fold->lse[0].defined(), "a branch in packed rows is not folded");
+  const auto dout = dout_in.to(b.scalar_type()).contiguous();
   const at::Tensor* branches[3] = {&a, &b, &c};
   at::Tensor d[3];
   FoldPtrs fold_ptrs{};
@@ -220,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     }
     const at::Tensor& lse = fold->lse[k];
     TORCH_CHECK(lse.is_cuda() && lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
-                    lse.size(0) == a.size(0) && lse.size(1) == a.size(1) && lse.size(2) == a.size(2),
+                    lse.size(0) == b.size(0) && lse.size(1) == b.size(1) && lse.size(2) == b.size(2),
                 "a folded branch's lse must be contiguous float32 [B,T,H], got ", lse.sizes());
     fold->folded_lse[k] = at::empty_like(lse);
     fold_ptrs.lse[k] = lse.data_ptr<float>();
@@ -229,10 +297,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
   if (fold) fold->dout = dout;
   auto dgates = at::empty_like(gates);
   auto &da = d[0], &db = d[1], &dc = d[2];
-  if (deltas) *deltas = at::empty({3, a.size(0), a.size(1), a.size(2)}, a.options().dtype(at::kFloat));
-  const int64_t rows = a.size(0) * a.size(1) * a.size(2);
+  if (a_packed) ZeroPackedTail(da, *a_packed);
+  if (deltas) *deltas = at::empty({3, b.size(0), b.size(1), b.size(2)}, b.options().dtype(at::kFloat));
+  const int64_t rows = b.size(0) * b.size(1) * b.size(2);
   if (rows == 0) return {dgates, da, db, dc};
-  if (a.size(3) == 0) {
+  if (b.size(3) == 0) {
     if (deltas) deltas->zero_();
     for (int k = 0; k < 3; ++k) {
       if (fold && fold->folded_lse[k].defined())
@@ -240,18 +309,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> GateMixBackward(
     }
     return {dgates.zero_(), da, db, dc};
   }
-  int lanes = VectorLanes(a.size(3), {&dout, &a, &b, &c});
+  int lanes = VectorLanes(b.size(3), {&dout, &a, &b, &c});
   for (const at::Tensor& dk : d) {
     if (lanes > 0 && dk.defined() && !AlignedFor(dk, kMixVec)) lanes = 0;
   }
-  NSA_DISPATCH_TYPES(a.scalar_type(), "nsa_gate_mix_backward", [&] {
+  const CmpPackedRows a_rows = a_packed ? *a_packed : CmpPackedRows{};
+  NSA_DISPATCH_TYPES(b.scalar_type(), "nsa_gate_mix_backward", [&] {
     const bool vec = lanes > 0 && sizeof(scalar_t) == 2;
-    Launch(vec ? GateMixBackwardKernel<scalar_t, kMixVec> : GateMixBackwardKernel<scalar_t, 1>,
+    const bool packed = a_packed != nullptr;
+    Launch(vec ? BackwardKernel<scalar_t, kMixVec>(packed) : BackwardKernel<scalar_t, 1>(packed),
            LaneGrid(rows, vec ? lanes : 32), 0, dout.data_ptr<scalar_t>(), gates.data_ptr<scalar_t>(),
            a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), dgates.data_ptr<scalar_t>(),
            da.defined() ? da.data_ptr<scalar_t>() : nullptr, db.defined() ? db.data_ptr<scalar_t>() : nullptr,
            dc.defined() ? dc.data_ptr<scalar_t>() : nullptr, deltas ? deltas->data_ptr<float>() : nullptr,
-           fold_ptrs, rows, static_cast<int>(a.size(3)), vec ? lanes : 32);
+           fold_ptrs, rows, static_cast<int>(b.size(3)), vec ? lanes : 32, a_rows);
   });
   return {dgates, da, db, dc};
 }

@@ -75,6 +75,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressedBackward(
 at::Tensor PackCompressedRows(const at::Tensor& x, const Geo& g);
 // [B,N,H*d,D] -> [B,T,H,D], zero at the positions before l-1 (they see no block).
 at::Tensor UnpackCompressedRows(const at::Tensor& packed, int64_t T, const Geo& g);
+// The same into out, float32 [B,T,H,D] (the start of BranchesMixed's float32 dq sum) in one pass,
+// instead of an unpack and a copy; bf16/fp16 rows.
+void UnpackCompressedRowsToFloat(const at::Tensor& packed, at::Tensor& out, const Geo& g);
 // The packed rows' log-sum-exp ([B,H*d,N] or [B,H*d,N,1], natural log) -> [B,T,H] float32 in
 // log2 units, +inf where a position sees no block (the custom forward's convention).
 at::Tensor CompressedLseFromPacked(const at::Tensor& lse_packed, int64_t T, const Geo& g);

@@ -85,8 +85,11 @@ struct CompressedSaved {
 double SoftmaxScale(const torch::Tensor& q) { return 1.0 / std::sqrt(static_cast<double>(q.size(3))); }
 
 // selection_only: the importance goes to SelectBlocksLaunch alone (CompressedImportance).
+// unpack_out = false (cuDNN only): out stays undefined, the output being read where cuDNN wrote
+// it, in packed rows (PackedOut).
 CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
-                                        const Geo& geo, bool dense, bool selection_only = false) {
+                                        const Geo& geo, bool dense, bool selection_only = false,
+                                        bool unpack_out = true) {
   CompressedSaved c;
   if (!dense) {
     std::tie(c.out, c.lse, c.importance) = detail::CompressedForward(q, k_cmp, v_cmp, geo);
@@ -100,31 +103,41 @@ CompressedSaved CompressedForwardToSave(const torch::Tensor& q, const torch::Ten
           c.q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), /*attn_bias=*/std::nullopt,
           /*compute_log_sumexp=*/true, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
           SoftmaxScale(q));
-  c.out = detail::UnpackCompressedRows(c.out_rows.transpose(1, 2).contiguous(), T, geo);
+  if (unpack_out) c.out = detail::UnpackCompressedRows(c.out_rows.transpose(1, 2).contiguous(), T, geo);
   c.importance = detail::CompressedImportance(q, k_cmp, detail::CompressedLseFromPacked(lse_rows, T, geo), geo,
                                               selection_only);
   c.lse = lse_rows;
   return c;
 }
 
+// cuDNN's compressed output as packed rows [B, N, H*d, D] (its memory order) and how a [B,T,H]
+// row finds its packed row there (the gate mix reads and writes the branch there).
+torch::Tensor PackedOut(const torch::Tensor& out_rows) { return out_rows.transpose(1, 2).contiguous(); }
+detail::CmpPackedRows PackedRowsOf(const torch::Tensor& q, const torch::Tensor& k_cmp, const Geo& geo) {
+  return {static_cast<int>(q.size(1)), static_cast<int>(q.size(2)), static_cast<int>(k_cmp.size(1)),
+          geo.cmp_block - 1, geo.cmp_stride};
+}
+
 // dq, dk, dv of the compressed branch; with dq_float, dq is written there in float32 (the start
 // of a sum) and comes back undefined. delta: as in SelectedBackward (cuDNN computes its own).
+// dout_packed (cuDNN only): dout comes in packed rows already (GateMixBackward's packed d_a).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> CompressedGradients(
     const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k_cmp, const torch::Tensor& v_cmp,
-    const CompressedSaved& c, const Geo& geo, bool dense, torch::Tensor* dq_float, const torch::Tensor& delta) {
+    const CompressedSaved& c, const Geo& geo, bool dense, torch::Tensor* dq_float, const torch::Tensor& delta,
+    bool dout_packed = false) {
   if (!dense) return detail::CompressedBackward(dout, q, k_cmp, v_cmp, c.out, c.lse, geo, dq_float, delta);
   const int64_t N = k_cmp.size(1), T = q.size(1);  // N: compressed blocks = rows
   // Same layout as the saved output ([B,N,H*d,D] in memory), as cuDNN's backward expects.
-  const auto dout_rows = detail::PackCompressedRows(dout.contiguous(), geo);
+  const auto dout_rows = dout_packed ? dout.contiguous() : detail::PackCompressedRows(dout.contiguous(), geo);
   auto [dq_rows, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
       dout_rows.transpose(1, 2), c.q_rows.transpose(1, 2), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), c.out_rows,
       c.lse, c.seed, c.offset, /*attn_bias=*/torch::Tensor(), /*cum_seq_q=*/torch::Tensor(),
       /*cum_seq_k=*/torch::Tensor(), N, N, /*dropout_p=*/0.0, /*is_causal=*/true, SoftmaxScale(q));
-  auto dq = detail::UnpackCompressedRows(dq_rows.transpose(1, 2).contiguous(), T, geo);
-  if (dq_float) {
-    dq_float->copy_(dq);
-    dq = torch::Tensor();
+  if (dq_float) {  // unpacked straight into the float32 sum: no bf16 dq in between
+    detail::UnpackCompressedRowsToFloat(dq_rows.transpose(1, 2).contiguous(), *dq_float, geo);
+    return {torch::Tensor(), dk.transpose(1, 2), dv.transpose(1, 2)};
   }
+  auto dq = detail::UnpackCompressedRows(dq_rows.transpose(1, 2).contiguous(), T, geo);
   return {dq, dk.transpose(1, 2), dv.transpose(1, 2)};
 }
 
@@ -311,11 +324,15 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     RECORD_FUNCTION("nsa::branches_mixed_forward", std::vector<c10::IValue>());
     const Geo geo = ToGeo(g);
     const auto q = detail::RopeForward(q_unrotated.unsqueeze(2), rope_cos, rope_sin, 1u)[0];
-    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp, /*selection_only=*/true);
+    // On cuDNN the compressed output stays in its packed rows: the mix reads it there.
+    const auto c = CompressedForwardToSave(q, k_cmp, v_cmp, geo, dense_cmp, /*selection_only=*/true,
+                                           /*unpack_out=*/!dense_cmp);
     auto block_idx = detail::SelectBlocksLaunch(c.importance, q.size(1), geo);
     auto [o_slc, lse_slc] = detail::SelectedForward(q, k_slc, v_slc, block_idx, geo);
     const auto w = WindowForwardToSave(q, k_win, v_win, g.window, tiled_forward, wgmma_backward);
-    auto mixed = detail::GateMixForward(gates, c.out, o_slc, w.out);
+    const detail::CmpPackedRows cmp_rows = PackedRowsOf(q, k_cmp, geo);
+    auto mixed = dense_cmp ? detail::GateMixForward(gates, PackedOut(c.out_rows), o_slc, w.out, &cmp_rows)
+                           : detail::GateMixForward(gates, c.out, o_slc, w.out);
     ctx->save_for_backward({q, k_cmp, v_cmp, c.out, c.lse, c.q_rows, c.out_rows, c.seed, c.offset,  // 0-8
                             k_slc, v_slc, o_slc, lse_slc, block_idx,                                 // 9-13
                             k_win, v_win, w.out, w.lse, w.rng_state, w.unused, gates,                // 14-20
@@ -353,8 +370,11 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     fold.lse[1] = s[12];
     if (wgmma_backward) fold.lse[2] = s[17];
     torch::Tensor deltas;  // [3,B,T,H]: compressed, selected, window
+    // On cuDNN the compressed output (s[6]) and its gradient are in packed rows (the forward's mix).
+    const detail::CmpPackedRows cmp_rows = PackedRowsOf(q, s[1], geo);
     auto [dgates, d_cmp, d_slc, d_win] =
-        detail::GateMixBackward(grads[0], s[20], s[3], s[11], s[16], &deltas, &fold);
+        dense_cmp ? detail::GateMixBackward(grads[0], s[20], PackedOut(s[6]), s[11], s[16], &deltas, &fold, &cmp_rows)
+                  : detail::GateMixBackward(grads[0], s[20], s[3], s[11], s[16], &deltas, &fold);
     // The gradient and lse each branch's backward takes.
     const auto branch_dout = [&](const torch::Tensor& d_k) { return d_k.defined() ? d_k : fold.dout; };
     const auto branch_lse = [&](int k, const torch::Tensor& lse) {
@@ -363,7 +383,8 @@ struct BranchesMixedFn : torch::autograd::Function<BranchesMixedFn> {
     auto dq_sum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
     const CompressedSaved c{s[3], none, branch_lse(0, s[4]), s[5], s[6], s[7], s[8]};
     auto [dq_c, dk_cmp, dv_cmp] =
-        CompressedGradients(branch_dout(d_cmp), q, s[1], s[2], c, geo, dense_cmp, &dq_sum, deltas[0]);
+        CompressedGradients(branch_dout(d_cmp), q, s[1], s[2], c, geo, dense_cmp, &dq_sum, deltas[0],
+                            /*dout_packed=*/dense_cmp);
     // Handed to RoPE's backward as the kernel's float32 sums (GradientHandoff), rounded there.
     const auto handoff = ctx->saved_data.find("slc_handoff");
     const bool hand_off = handoff != ctx->saved_data.end();

@@ -20,6 +20,7 @@
 
 #include "fused_launchers.h"
 #include "fused_ops.h"
+#include "launchers.h"
 #include "nsa/rope.h"
 #include "nsa_cuda.h"
 #include "test_names.h"
@@ -525,6 +526,60 @@ TEST_P(FusedOpsTest, GateFoldGivesFoldedLseAndGateGradientDeltas) {
     EXPECT_TRUE((fold.folded_lse[2].select(1, c.T - 1) == inf).all().item<bool>()) << "a row with no keys" << at;
     EXPECT_FALSE(fold.folded_lse[0].isnan().any().item<bool>()) << at;
     EXPECT_FALSE(fold.folded_lse[2].isnan().any().item<bool>()) << at;
+  }
+}
+
+// The compressed branch held in cuDNN's packed rows (CmpPackedRows, BranchesMixed's cuDNN path):
+// the mix reads it there and writes its gradient there, with exactly the results of the same
+// calls on the unpacked rows. The packed d_a is PackCompressedRows of the unpacked one: zero in
+// the slots past T (which hold noise in the input: never read). dq's float32 unpack equals the
+// unpack's float32 copy. Geometries l = 5, d = 2 (four positions before any block) and 32 / 16.
+TEST_P(FusedOpsTest, GateMixingReadsAndWritesPackedCompressedRows) {
+  const FusedCase c = GetParam();
+  if (c.dtype == torch::kFloat) GTEST_SKIP() << "the packed rows are cuDNN's: bf16/fp16 only";
+  for (const auto& [l, d] : {std::pair{5, 2}, std::pair{32, 16}}) {
+    const cuda::detail::Geo geo{l, d, 4 * d, 16, 512};
+    const int64_t N = cuda::detail::NumCmpBlocks(c.T, geo);
+    const std::string at = " l=" + std::to_string(l) + " d=" + std::to_string(d);
+    if (N == 0) continue;  // no position sees a block: nothing is packed
+    const cuda::detail::CmpPackedRows rows{static_cast<int>(c.T), static_cast<int>(c.H), static_cast<int>(N), l - 1,
+                                           d};
+    const auto gates = torch::sigmoid(torch::randn({c.B, c.T, c.H, 3}, Opts()));
+    const auto a_packed = torch::randn({c.B, N, c.H * d, c.D}, Opts());
+    const auto a = cuda::detail::UnpackCompressedRows(a_packed, c.T, geo);
+    const auto b = torch::randn({c.B, c.T, c.H, c.D}, Opts()), o = torch::randn({c.B, c.T, c.H, c.D}, Opts()),
+               dout = torch::randn({c.B, c.T, c.H, c.D}, Opts());
+
+    const auto out_plain = cuda::detail::GateMixForward(gates, a, b, o);
+    Poison();
+    const auto out = cuda::detail::GateMixForward(gates, a_packed, b, o, &rows);
+    EXPECT_TRUE(torch::equal(out, out_plain)) << "forward" << at;
+
+    torch::Tensor deltas_plain, deltas;
+    const auto [dg_plain, da_plain, db_plain, dc_plain] =
+        cuda::detail::GateMixBackward(dout, gates, a, b, o, &deltas_plain);
+    Poison();
+    const auto [dg, da, db, dc] = cuda::detail::GateMixBackward(dout, gates, a_packed, b, o, &deltas, nullptr, &rows);
+    EXPECT_TRUE(torch::equal(dg, dg_plain)) << "dgates" << at;
+    EXPECT_TRUE(torch::equal(db, db_plain)) << "d_slc" << at;
+    EXPECT_TRUE(torch::equal(dc, dc_plain)) << "d_win" << at;
+    EXPECT_TRUE(torch::equal(deltas, deltas_plain)) << "deltas" << at;
+    ASSERT_EQ(da.sizes(), a_packed.sizes()) << at;
+    EXPECT_TRUE(torch::equal(da, cuda::detail::PackCompressedRows(da_plain, geo))) << "packed d_cmp" << at;
+
+    auto dq = torch::empty({c.B, c.T, c.H, c.D}, Opts().dtype(torch::kFloat));
+    Poison();
+    cuda::detail::UnpackCompressedRowsToFloat(a_packed, dq, geo);
+    EXPECT_TRUE(torch::equal(dq, a.to(torch::kFloat))) << "float32 unpack" << at;
+
+    // Rows that do not cover T name the packed branch.
+    const cuda::detail::CmpPackedRows short_rows{rows.T, rows.H, rows.N - 1, rows.first, rows.stride};
+    try {
+      cuda::detail::GateMixForward(gates, a_packed, b, o, &short_rows);
+      ADD_FAILURE() << "rows that do not cover T were taken" << at;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("packed rows"), std::string::npos) << e.what();
+    }
   }
 }
 
