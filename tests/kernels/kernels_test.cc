@@ -973,84 +973,104 @@ TEST(SelectBlocksLongRows, SmallestAndLargestTopN) {
 // left out like an unused slot, and so is a block index past the last block (NS). Each entry
 // left out has its rows of the marked buffer set to -inf (NoPartialMarks: the block forward's
 // partial lse, from which its combine tells the entries that count); the others keep theirs.
+// About one slot in ten repeats a block an earlier slot of its row listed: a repeat is left out
+// too. Rows of n = 4 and n = 6 slots (a row of 6 can straddle two warps of the keys kernel).
 TEST(InvertBlockMap, MatchesTheHostDefinition) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  const int64_t B = 2, T = 301, G = 3, n = 4;
+  const int64_t B = 2, T = 301, G = 3;
   enum class Use { kAll, kEvenBlocks, kNoSlot };
-  for (const Use use : {Use::kAll, Use::kEvenBlocks, Use::kNoSlot}) {
-    for (const int per_item : {1, 7, 512}) {
-      SCOPED_TRACE("use " + std::to_string(static_cast<int>(use)) + ", per_item " + std::to_string(per_item));
-      const int drawn = 11;  // blocks drawn from; even blocks spread them over 2 * drawn
-      const int NS = use == Use::kEvenBlocks ? 2 * drawn : drawn;
-      torch::manual_seed(per_item);
-      // Distinct blocks per row (a random permutation's first n), about one slot in five unused
-      // (all with kNoSlot).
-      auto idx = torch::rand({B, T, G, drawn}).argsort(int64_t{-1}).slice(-1, 0, n).to(torch::kInt);
-      if (use == Use::kEvenBlocks) idx = idx * 2;
-      const double unused = use == Use::kNoSlot ? 1.0 : 0.2;
-      idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx);
-      if (use != Use::kNoSlot) {  // about one slot in twenty past the last block
-        idx = torch::where(torch::rand({B, T, G, n}) < 0.05, torch::full({}, NS, torch::kInt), idx);
-      }
-      idx = idx.contiguous();
-      const int slc_block = static_cast<int>((T + NS - 1) / NS);  // NS blocks cover the sequence
-      for (const auto& [position_order, skip_local_of] :
-           std::vector<std::pair<bool, int>>{{false, 0}, {true, 0}, {false, slc_block}, {true, slc_block}}) {
-        SCOPED_TRACE(std::string(position_order ? "position order" : "block order") +
-                     (skip_local_of > 0 ? ", local blocks left out" : ""));
-        const int64_t S = B * G * NS, E = idx.numel();
-        constexpr int kRowsPerEntry = 3;
-        const float kept = 7.f;
-        auto marked = torch::full({E * kRowsPerEntry}, kept, torch::TensorOptions().device(torch::kCUDA));
-        const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order, skip_local_of,
-                                                      {marked.data_ptr<float>(), kRowsPerEntry});
-        const int* e_blk = idx.data_ptr<int>();
-        std::vector<int64_t> key(E), entries(E);
-        for (int64_t e = 0; e < E; ++e) {
-          const int64_t g = (e / n) % G, b = e / (n * G * T), t = (e / (n * G)) % T;
-          const int64_t blk = e_blk[e], own = skip_local_of > 0 ? t / skip_local_of : -1;
-          const bool local = skip_local_of > 0 && blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
-          key[e] = blk < 0 || blk >= NS || local ? S : (b * G + g) * NS + blk;
+  for (const int64_t n : {4, 6}) {
+    for (const Use use : {Use::kAll, Use::kEvenBlocks, Use::kNoSlot}) {
+      for (const int per_item : {1, 7, 512}) {
+        SCOPED_TRACE("n " + std::to_string(n) + ", use " + std::to_string(static_cast<int>(use)) + ", per_item " +
+                     std::to_string(per_item));
+        const int drawn = 11;  // blocks drawn from; even blocks spread them over 2 * drawn
+        const int NS = use == Use::kEvenBlocks ? 2 * drawn : drawn;
+        torch::manual_seed(per_item);
+        // Distinct blocks per row (a random permutation's first n), about one slot in five unused
+        // (all with kNoSlot).
+        auto idx = torch::rand({B, T, G, drawn}).argsort(int64_t{-1}).slice(-1, 0, n).to(torch::kInt);
+        if (use == Use::kEvenBlocks) idx = idx * 2;
+        const double unused = use == Use::kNoSlot ? 1.0 : 0.2;
+        idx = torch::where(torch::rand({B, T, G, n}) < unused, torch::full({}, -1, torch::kInt), idx);
+        if (use != Use::kNoSlot) {  // about one slot in twenty past the last block
+          idx = torch::where(torch::rand({B, T, G, n}) < 0.05, torch::full({}, NS, torch::kInt), idx);
         }
-        const auto marks = marked.cpu();
-        int64_t wrong_marks = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          const float want = key[e] == S ? -std::numeric_limits<float>::infinity() : kept;
-          for (int r = 0; r < kRowsPerEntry; ++r) wrong_marks += marks.data_ptr<float>()[e * kRowsPerEntry + r] != want;
-        }
-        EXPECT_EQ(wrong_marks, 0);
-        std::iota(entries.begin(), entries.end(), 0);
-        std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
-        std::vector<int64_t> seg_off(S + 1, 0), chunk_off(S + 1, 0);
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t count = std::count(key.begin(), key.end(), s);
-          seg_off[s + 1] = seg_off[s] + count;
-          chunk_off[s + 1] = chunk_off[s] + (count + per_item - 1) / per_item;
-        }
-        const auto sorted = map.sorted_entry.cpu(), so = map.seg_off.cpu(), co = map.chunk_off.cpu();
-        ASSERT_EQ(map.segments, S);
-        ASSERT_GE(map.max_items, chunk_off[S]);
-        for (int64_t i = 0; i < E; ++i) ASSERT_EQ(sorted.data_ptr<int>()[i], entries[i]) << i;
-        for (int64_t s = 0; s <= S; ++s) {
-          ASSERT_EQ(so.data_ptr<int64_t>()[s], seg_off[s]) << s;
-          ASSERT_EQ(co.data_ptr<int64_t>()[s], chunk_off[s]) << s;
-        }
-        const auto item_seg = map.item_seg.cpu();
-        std::vector<int64_t> first_position(map.max_items, std::numeric_limits<int64_t>::max());
-        for (int64_t s = 0; s < S; ++s) {
-          for (int64_t item = chunk_off[s]; item < chunk_off[s + 1]; ++item) {
-            ASSERT_EQ(item_seg.data_ptr<int>()[item], s) << item;
-            first_position[item] = entries[seg_off[s] + (item - chunk_off[s]) * per_item] / (G * n);
+        idx = idx.contiguous();
+        {  // about one slot in ten copies an earlier slot of its row
+          auto* slots = idx.data_ptr<int>();
+          const auto draw = torch::rand({idx.numel()});
+          const auto pick = torch::randint(0, n, {idx.numel()}, torch::kLong);
+          for (int64_t e = 0; e < idx.numel(); ++e) {
+            const int64_t slot = e % n;
+            if (slot > 0 && draw.data_ptr<float>()[e] < 0.1f) {
+              slots[e] = slots[e - slot + pick.data_ptr<int64_t>()[e] % slot];
+            }
           }
         }
-        ASSERT_EQ(map.item_order.defined(), position_order);
-        if (!position_order) continue;
-        std::vector<int64_t> order(map.max_items);
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t x, int64_t y) { return first_position[x] < first_position[y]; });
-        const auto got = map.item_order.cpu();
-        for (int64_t i = 0; i < map.max_items; ++i) ASSERT_EQ(got.data_ptr<int>()[i], order[i]) << i;
+        const int slc_block = static_cast<int>((T + NS - 1) / NS);  // NS blocks cover the sequence
+        for (const auto& [position_order, skip_local_of] :
+             std::vector<std::pair<bool, int>>{{false, 0}, {true, 0}, {false, slc_block}, {true, slc_block}}) {
+          SCOPED_TRACE(std::string(position_order ? "position order" : "block order") +
+                       (skip_local_of > 0 ? ", local blocks left out" : ""));
+          const int64_t S = B * G * NS, E = idx.numel();
+          constexpr int kRowsPerEntry = 3;
+          const float kept = 7.f;
+          auto marked = torch::full({E * kRowsPerEntry}, kept, torch::TensorOptions().device(torch::kCUDA));
+          const auto map = cuda::detail::InvertBlockMap(idx.cuda(), NS, per_item, position_order, skip_local_of,
+                                                        {marked.data_ptr<float>(), kRowsPerEntry});
+          const int* e_blk = idx.data_ptr<int>();
+          std::vector<int64_t> key(E), entries(E);
+          for (int64_t e = 0; e < E; ++e) {
+            const int64_t g = (e / n) % G, b = e / (n * G * T), t = (e / (n * G)) % T;
+            const int64_t blk = e_blk[e], own = skip_local_of > 0 ? t / skip_local_of : -1;
+            const bool local = skip_local_of > 0 && blk >= 0 && (blk == 0 || blk == own || blk == own - 1);
+            const int* row = e_blk + (e - e % n);
+            const bool repeat = std::find(row, row + e % n, blk) != row + e % n;
+            key[e] = blk < 0 || blk >= NS || local || repeat ? S : (b * G + g) * NS + blk;
+          }
+          const auto marks = marked.cpu();
+          int64_t wrong_marks = 0;
+          for (int64_t e = 0; e < E; ++e) {
+            const float want = key[e] == S ? -std::numeric_limits<float>::infinity() : kept;
+            for (int r = 0; r < kRowsPerEntry; ++r) {
+              wrong_marks += marks.data_ptr<float>()[e * kRowsPerEntry + r] != want;
+            }
+          }
+          EXPECT_EQ(wrong_marks, 0);
+          std::iota(entries.begin(), entries.end(), 0);
+          std::stable_sort(entries.begin(), entries.end(), [&](int64_t x, int64_t y) { return key[x] < key[y]; });
+          std::vector<int64_t> seg_off(S + 1, 0), chunk_off(S + 1, 0);
+          for (int64_t s = 0; s < S; ++s) {
+            const int64_t count = std::count(key.begin(), key.end(), s);
+            seg_off[s + 1] = seg_off[s] + count;
+            chunk_off[s + 1] = chunk_off[s] + (count + per_item - 1) / per_item;
+          }
+          const auto sorted = map.sorted_entry.cpu(), so = map.seg_off.cpu(), co = map.chunk_off.cpu();
+          ASSERT_EQ(map.segments, S);
+          ASSERT_GE(map.max_items, chunk_off[S]);
+          for (int64_t i = 0; i < E; ++i) ASSERT_EQ(sorted.data_ptr<int>()[i], entries[i]) << i;
+          for (int64_t s = 0; s <= S; ++s) {
+            ASSERT_EQ(so.data_ptr<int64_t>()[s], seg_off[s]) << s;
+            ASSERT_EQ(co.data_ptr<int64_t>()[s], chunk_off[s]) << s;
+          }
+          const auto item_seg = map.item_seg.cpu();
+          std::vector<int64_t> first_position(map.max_items, std::numeric_limits<int64_t>::max());
+          for (int64_t s = 0; s < S; ++s) {
+            for (int64_t item = chunk_off[s]; item < chunk_off[s + 1]; ++item) {
+              ASSERT_EQ(item_seg.data_ptr<int>()[item], s) << item;
+              first_position[item] = entries[seg_off[s] + (item - chunk_off[s]) * per_item] / (G * n);
+            }
+          }
+          ASSERT_EQ(map.item_order.defined(), position_order);
+          if (!position_order) continue;
+          std::vector<int64_t> order(map.max_items);
+          std::iota(order.begin(), order.end(), 0);
+          std::stable_sort(order.begin(), order.end(),
+                           [&](int64_t x, int64_t y) { return first_position[x] < first_position[y]; });
+          const auto got = map.item_order.cpu();
+          for (int64_t i = 0; i < map.max_items; ++i) ASSERT_EQ(got.data_ptr<int>()[i], order[i]) << i;
+        }
       }
     }
   }
