@@ -76,8 +76,18 @@ class Checker {
   void NonNegative(const char* field, T value) {
     if (!(value >= 0)) Add(field, "must be >= 0 (got " + Str(value) + ")");
   }
-  void Finite(const char* field, float value) {
-    if (!std::isfinite(value)) Add(field, "must be a finite number (got " + Str(value) + ")");
+  template <typename T>
+  void Finite(const char* field, T value) {
+    if (!std::isfinite(static_cast<double>(value))) Add(field, "must be a finite number (got " + Str(value) + ")");
+  }
+  void AtMost(const char* field, int64_t value, int64_t most) {
+    if (value > most) Add(field, "must be at most " + Str(most) + " (got " + Str(value) + ")");
+  }
+  // Strings the daemon stores in run records and lists back in every ListRuns reply.
+  void LengthAtMost(const char* field, const std::string& value, size_t most) {
+    if (value.size() > most) {
+      Add(field, "must be at most " + Str(most) + " bytes (got " + Str(value.size()) + ")");
+    }
   }
   void InRange(const char* field, float value, float lo, float hi, bool hi_inclusive) {
     const bool ok = value >= lo && (hi_inclusive ? value <= hi : value < hi);
@@ -113,7 +123,8 @@ bool PathMatchesSomething(const std::string& pattern) {
 
 bool ValidDevice(const std::string& device) {
   if (device == "auto" || device == "cpu" || device == "cuda") return true;
-  if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return false;
+  // At most 4 digits: the index must parse as an int (PlanRuntime), and no host has more GPUs.
+  if (device.rfind("cuda:", 0) != 0 || device.size() == 5 || device.size() > 9) return false;
   for (size_t i = 5; i < device.size(); ++i) {
     if (device[i] < '0' || device[i] > '9') return false;
   }
@@ -129,7 +140,9 @@ void CheckModel(const ModelConfig& m, Checker& c) {
   c.Positive("model.head_dim", m.head_dim);
   c.NonNegative("model.mlp_hidden", m.mlp_hidden);
   c.Positive("model.rope_theta", m.rope_theta);
+  c.Finite("model.rope_theta", m.rope_theta);
   c.Positive("model.norm_eps", m.norm_eps);
+  c.Finite("model.norm_eps", m.norm_eps);
   if (m.n_heads > 0 && m.n_kv_groups > 0 && m.n_heads % m.n_kv_groups != 0) {
     c.Add("model.n_kv_groups", "must divide model.n_heads (" + std::to_string(m.n_heads) +
                                    "), got " + std::to_string(m.n_kv_groups));
@@ -162,11 +175,14 @@ void CheckOptim(const OptimConfig& o, Checker& c) {
   c.NonNegative("optim.min_lr", o.min_lr);
   if (o.lr > 0 && o.min_lr > o.lr) c.Add("optim.min_lr", "must not exceed optim.lr");
   c.NonNegative("optim.weight_decay", o.weight_decay);
+  c.Finite("optim.weight_decay", o.weight_decay);
   c.InRange("optim.beta1", o.beta1, 0.0f, 1.0f, false);
   c.InRange("optim.beta2", o.beta2, 0.0f, 1.0f, false);
   c.Positive("optim.eps", o.eps);
+  c.Finite("optim.eps", o.eps);
   c.NonNegative("optim.warmup_steps", o.warmup_steps);
   c.NonNegative("optim.grad_clip", o.grad_clip);
+  c.Finite("optim.grad_clip", o.grad_clip);
 }
 
 bool IsDirectory(const std::string& path) {
@@ -232,6 +248,13 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
   c.Positive("log_every", config.log_every);
   c.NonNegative("eval_every", config.eval_every);
   c.Positive("eval_batches", config.eval_batches);
+  // The evaluation's batches are built once and kept on the run's device.
+  c.AtMost("eval_batches", config.eval_batches, kMaxEvalBatches);
+  c.LengthAtMost("name", config.name, kMaxNameBytes);
+  c.LengthAtMost("data.train_path", config.data.train_path, kMaxPathBytes);
+  c.LengthAtMost("data.val_path", config.data.val_path, kMaxPathBytes);
+  c.LengthAtMost("checkpoint_dir", config.checkpoint_dir, kMaxPathBytes);
+  c.LengthAtMost("resume_from", config.resume_from, kMaxPathBytes);
   if (!ValidDevice(config.device)) {
     c.Add("device", "must be auto, cpu, cuda or cuda:N (got \"" + config.device + "\")");
   }

@@ -136,6 +136,37 @@ TEST_F(TrainerTest, ShapesTheKernelsLackStayOnTheReference) {
   }
 }
 
+// The evaluation takes the validation split once at most: eval_batches past it would only
+// repeat its windows (all of them held on the device; 2e9 of them filled 15 GB before it
+// was capped). val.bin holds 62 windows of 64 tokens: 16 batches of 4.
+TEST_F(TrainerTest, EvaluationTakesTheValidationSplitOnceAtMost) {
+  auto whole = Tiny();
+  whole.eval_batches = 16;
+  auto more = Tiny();
+  more.eval_batches = static_cast<int>(kMaxEvalBatches);
+  const double val_whole = Trainer::Create(whole)->Evaluate();
+  const double val_more = Trainer::Create(more)->Evaluate();
+  ASSERT_TRUE(std::isfinite(val_whole));
+  EXPECT_EQ(val_more, val_whole);
+}
+
+// A model too large to allocate fails with LibTorch's message, not its C++ backtrace (which
+// the daemon would show as the run's reason). The embedding alone asks for 2e9 x 20000
+// floats: more than a process's address space, whatever the machine's overcommit.
+TEST_F(TrainerTest, AModelTooLargeToAllocateFailsWithoutABacktrace) {
+  auto huge = Tiny();
+  huge.model.vocab_size = 2000000000;
+  huge.model.dim = 20000;
+  try {
+    Trainer::Create(huge);
+    ADD_FAILURE() << "a 160 TB embedding was allocated";
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("allocate"), std::string::npos) << message;
+    EXPECT_EQ(message.find("frame #"), std::string::npos) << message;
+  }
+}
+
 TEST_F(TrainerTest, LearnsAndReportsSaneMetrics) {
   auto trainer = Trainer::Create(Tiny());
   EXPECT_GT(trainer->parameter_count(), 1000);

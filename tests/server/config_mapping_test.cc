@@ -3,6 +3,7 @@
 
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "config_mapping.h"
@@ -189,6 +190,42 @@ TEST(Validation, ReportsEveryBadFieldWithTheValue) {
   TrainConfig ok;
   ok.data.train_path = "/";
   EXPECT_TRUE(ValidateConfig(ok).empty()) << FormatFieldErrors(ValidateConfig(ok));
+}
+
+// Each field refuses what would otherwise run with nonsense or fail later without naming it:
+// infinities that only the sign was checked for, a device index past int, a name that would
+// make every ListRuns reply too large, eval batches that would fill the device.
+TEST(Validation, NamesInfinitiesHugeIndicesAndOversizedFields) {
+  const auto fields_of = [](const TrainConfig& config) {
+    std::vector<std::string> fields;
+    for (const auto& e : ValidateConfig(config)) fields.push_back(e.field);
+    return fields;
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<std::pair<std::string, std::function<void(TrainConfig&)>>> cases = {
+      {"optim.weight_decay", [&](TrainConfig& c) { c.optim.weight_decay = inf; }},
+      {"optim.eps", [&](TrainConfig& c) { c.optim.eps = inf; }},
+      {"optim.grad_clip", [&](TrainConfig& c) { c.optim.grad_clip = inf; }},
+      {"model.rope_theta", [&](TrainConfig& c) { c.model.rope_theta = inf; }},
+      {"model.norm_eps", [&](TrainConfig& c) { c.model.norm_eps = inf; }},
+      {"device", [](TrainConfig& c) { c.device = "cuda:2147483648"; }},
+      {"device", [](TrainConfig& c) { c.device = "cuda:99999999999999"; }},
+      {"name", [](TrainConfig& c) { c.name = std::string(kMaxNameBytes + 1, 'x'); }},
+      {"checkpoint_dir", [](TrainConfig& c) { c.checkpoint_dir = std::string(kMaxPathBytes + 1, 'x'); }},
+      {"eval_batches", [](TrainConfig& c) { c.eval_batches = 2000000000; }},
+  };
+  for (const auto& [field, spoil] : cases) {
+    TrainConfig config;
+    config.data.train_path = "/";
+    spoil(config);
+    EXPECT_EQ(fields_of(config), std::vector<std::string>{field}) << FormatFieldErrors(ValidateConfig(config));
+  }
+  TrainConfig at_the_limits;
+  at_the_limits.data.train_path = "/";
+  at_the_limits.device = "cuda:9999";
+  at_the_limits.name = std::string(kMaxNameBytes, 'x');
+  at_the_limits.eval_batches = static_cast<int>(kMaxEvalBatches);
+  EXPECT_TRUE(ValidateConfig(at_the_limits).empty()) << FormatFieldErrors(ValidateConfig(at_the_limits));
 }
 
 TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {

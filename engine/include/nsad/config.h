@@ -135,6 +135,12 @@ struct FieldError {
   std::string message;  // what is wrong and what is allowed
 };
 
+// Bounds ValidateConfig holds strings and eval_batches to: a run record (and every ListRuns
+// reply, 4 MiB at most) carries the config, and the evaluation's batches stay on the device.
+inline constexpr size_t kMaxNameBytes = 256;
+inline constexpr size_t kMaxPathBytes = 4096;  // PATH_MAX
+inline constexpr int64_t kMaxEvalBatches = 10000;
+
 // Checks every field and cross-field constraint without touching torch or the GPU.
 // Checks that the data path names at least one existing file, too. Empty = valid.
 std::vector<FieldError> ValidateConfig(const TrainConfig& config);

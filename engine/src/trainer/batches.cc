@@ -105,7 +105,13 @@ const std::vector<torch::Tensor>& BatchSource::ValBatches() {
   options.vocab_size = config_.model.vocab_size;
   options.prefetch_batches = 0;
   data::BatchLoader loader(splits_.val, options);
-  for (int i = 0; i < config_.eval_batches; ++i) val_.push_back(ToDevice(loader.Next()));
+  // More batches than the split holds would only repeat its windows (and hold them all on
+  // the device): the evaluation takes the split once at most.
+  int64_t windows = 0;
+  for (const auto& span : splits_.val) windows += span.NumWindows(config_.seq_len);
+  const int64_t batches =
+      std::min<int64_t>(config_.eval_batches, (windows + options.batch_size - 1) / options.batch_size);
+  for (int64_t i = 0; i < batches; ++i) val_.push_back(ToDevice(loader.Next()));
   return val_;
 }
 

@@ -417,6 +417,10 @@ std::unique_ptr<Trainer> Trainer::Create(const TrainConfig& config, const Worker
     return std::make_unique<TorchTrainer>(config, place);
   } catch (const data::DataError& e) {
     throw ConfigError({{e.field(), e.message()}});
+  } catch (const c10::Error& e) {
+    // LibTorch's what() carries a C++ backtrace (3.5 KB for a failed allocation): the run's
+    // reason is the message alone.
+    throw std::runtime_error(e.what_without_backtrace());
   }
 }
 
