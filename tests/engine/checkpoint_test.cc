@@ -1,16 +1,20 @@
 // Checkpoints through the public Trainer API: exact resume, checksum verification, the
-// atomic on-disk layout and retention, and refusal of a checkpoint from another config.
-// CPU, tiny models.
+// atomic on-disk layout and retention, and refusal of a checkpoint from another config;
+// and the archive writer's errors. CPU, tiny models.
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "tiny_run.h"
+#include "trainer/checkpoint.h"
+#include "trainer/checkpoint_store.h"
 
 namespace nsad {
 namespace {
@@ -136,6 +140,28 @@ TEST_F(CheckpointTest, ResumeContinuesExactlyAsTheUninterruptedRun) {
   auto from_two = Trainer::Create(c);
   EXPECT_EQ(from_two->step(), 2);
   ExpectSameSteps({reference.steps[2], reference.steps[3]}, Run(*from_two, 4).steps);
+}
+
+// A full disk while an archive is written is an error naming the file and the reason, not
+// a crash (/dev/full: every write fails with ENOSPC). OutputArchive::save_to(path) ended the
+// worker with std::terminate there.
+TEST_F(CheckpointTest, AFullDiskIsAnErrorNamingTheFile) {
+  torch::serialize::OutputArchive archive;
+  archive.write("weights", torch::ones({1024, 64}));
+  try {
+    SaveArchive(archive, "/dev/full");
+    ADD_FAILURE() << "a write to /dev/full succeeded";
+  } catch (const checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot write /dev/full"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::strerror(ENOSPC)), std::string::npos) << e.what();
+  }
+  const std::string path = (dir_ / "archive.pt").string();
+  SaveArchive(archive, path);
+  torch::serialize::InputArchive back;
+  back.load_from(path);
+  torch::Tensor weights;
+  back.read("weights", weights);
+  EXPECT_TRUE(torch::equal(weights, torch::ones({1024, 64})));
 }
 
 TEST_F(CheckpointTest, CorruptionIsDetectedAndNamesTheFile) {

@@ -1,6 +1,11 @@
 #include "trainer/checkpoint.h"
 
 #include <ATen/Context.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <mutex>
 #include <sstream>
@@ -96,6 +101,31 @@ int64_t ParseInt(const std::string& text, const std::string& what) {
 
 }  // namespace
 
+void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw checkpoint::CheckpointError("cannot create " + path + ": " + std::strerror(errno));
+  int error = 0;
+  archive.save_to([&](const void* data, size_t n) -> size_t {
+    const char* next = static_cast<const char*>(data);
+    size_t left = n;
+    while (error == 0 && left > 0) {
+      const ssize_t written = ::write(fd, next, left);
+      if (written < 0 && errno == EINTR) continue;
+      if (written <= 0) {
+        error = written < 0 ? errno : ENOSPC;
+        break;
+      }
+      next += written;
+      left -= static_cast<size_t>(written);
+    }
+    // All of it, even after a failure: a short count makes the stream writer throw, and it
+    // throws again from its destructor. The failure is reported below instead.
+    return n;
+  });
+  ::close(fd);
+  if (error != 0) throw checkpoint::CheckpointError("cannot write " + path + ": " + std::strerror(error));
+}
+
 std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
                            const AdamW& optimizer, const ResumeState& state,
                            const torch::Device& device) {
@@ -104,10 +134,10 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
         try {
           torch::serialize::OutputArchive model_archive;
           model.save(model_archive);
-          model_archive.save_to(dir + "/" + kModelFile);
+          SaveArchive(model_archive, dir + "/" + kModelFile);
           torch::serialize::OutputArchive optimizer_archive;
           optimizer.Save(optimizer_archive);
-          optimizer_archive.save_to(dir + "/" + kOptimizerFile);
+          SaveArchive(optimizer_archive, dir + "/" + kOptimizerFile);
         } catch (const c10::Error& e) {
           throw checkpoint::CheckpointError(e.what_without_backtrace());
         }

@@ -34,6 +34,12 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
                            const AdamW& optimizer, const ResumeState& state,
                            const torch::Device& device);
 
+// Writes a torch archive to `path` through checked writes: a failed write (a full disk)
+// throws checkpoint::CheckpointError naming the file. (OutputArchive::save_to(path) throws
+// from the stream writer's destructor on such a failure: std::terminate, the worker gone
+// without a word.)
+void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& path);
+
 // The checkpoint directory config.resume_from names ("latest" = the newest committed one in
 // checkpoint_dir). Throws ConfigError on field resume_from.
 std::string ResolveResumeDir(const TrainConfig& config);
