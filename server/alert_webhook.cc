@@ -62,10 +62,39 @@ bool ReadBody(mg_connection* conn, size_t limit, std::string* body) {
   }
 }
 
+// How deep arrays and objects nest, outside strings. protobuf's JSON parser refuses deep
+// objects, but not deep arrays, and takes time quadratic in their depth: 300 KB of '[' kept
+// the webhook's threads busy for hours (and the daemon's shutdown waiting on them).
+int NestingDepth(const std::string& body) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char ch : body) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace
 
 AlertPayload ParseAlertmanagerPayload(const std::string& body) {
   AlertPayload payload;
+  // Alertmanager's payload nests four deep (alerts, an alert, its labels); 32 is plenty.
+  constexpr int kMaxDepth = 32;
+  if (const int depth = NestingDepth(body); depth > kMaxDepth) {
+    payload.error = "malformed JSON: nested " + std::to_string(depth) + " deep (at most " +
+                    std::to_string(kMaxDepth) + ")";
+    return payload;
+  }
   Struct root;
   const auto status = google::protobuf::util::JsonStringToMessage(body, &root);
   if (!status.ok()) {

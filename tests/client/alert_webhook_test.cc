@@ -1,6 +1,7 @@
 // Alertmanager webhook: payload parsing, and the HTTP server over loopback.
 #include <curl/curl.h>
 
+#include <chrono>
 #include <mutex>
 #include <vector>
 
@@ -86,6 +87,24 @@ TEST(ParseAlertmanagerPayload, MalformedPayloads) {
     EXPECT_TRUE(payload.halts.empty()) << body;
   }
   EXPECT_TRUE(ParseAlertmanagerPayload("{\"alerts\": []}").ok);
+}
+
+// Deeply nested arrays (which protobuf's parser takes in time quadratic in their depth: 300 KB
+// of them held the webhook for hours) are refused before parsing, and fast; brackets inside
+// strings do not count.
+TEST(ParseAlertmanagerPayload, DeepNestingIsRefusedBeforeParsing) {
+  const std::string deep = "{\"alerts\":" + std::string(150000, '[') + std::string(150000, ']') + "}";
+  const auto start = std::chrono::steady_clock::now();
+  const AlertPayload payload = ParseAlertmanagerPayload(deep);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_FALSE(payload.ok);
+  EXPECT_NE(payload.error.find("nested 150001 deep"), std::string::npos) << payload.error;
+  EXPECT_LT(seconds, 5.0) << "a refusal, not a parse";
+  const AlertPayload brackets_in_labels = ParseAlertmanagerPayload(Payload(
+      {R"({"status": "firing", "labels": {"nsad_action": "halt", "run_id": "run-9", "alertname": ")" +
+       std::string(100, '[') + R"("}})"}));
+  ASSERT_TRUE(brackets_in_labels.ok) << brackets_in_labels.error;
+  EXPECT_EQ(brackets_in_labels.halts.size(), 1u);
 }
 
 // --- HTTP over loopback -----------------------------------------------------------------
