@@ -1,6 +1,7 @@
 #include "commands.h"
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -135,10 +136,13 @@ class CommandRunner {
   }
 
   // Sends the config file as config_json so that the daemon, not nsactl, decides what is
-  // valid and names unknown fields. Only --name needs the file parsed here.
+  // valid and names unknown fields. Only --name needs the file parsed here; a file that does
+  // not parse goes as it is, and the daemon's error names what is wrong (exit 1, as without
+  // --name).
   int Start() {
+    std::error_code ignored;
     std::ifstream file(inv_.config_path, std::ios::binary);
-    if (!file) {
+    if (!file || std::filesystem::is_directory(inv_.config_path, ignored)) {
       err_ << "nsactl: cannot read config file '" << inv_.config_path << "'\n";
       return kExitUsage;
     }
@@ -148,14 +152,10 @@ class CommandRunner {
 
     if (!inv_.name_override.empty()) {
       nsa::v1::RunConfig config;
-      const auto parsed = google::protobuf::util::JsonStringToMessage(config_json, &config);
-      if (!parsed.ok()) {
-        err_ << "nsactl: " << inv_.config_path << " is not a valid RunConfig: " << parsed.ToString()
-             << "\n";
-        return kExitUsage;
+      if (google::protobuf::util::JsonStringToMessage(config_json, &config).ok()) {
+        config.set_name(inv_.name_override);
+        config_json = ToJson(config, /*multiline=*/false);
       }
-      config.set_name(inv_.name_override);
-      config_json = ToJson(config, /*multiline=*/false);
     }
 
     nsa::v1::StartRunRequest request;

@@ -262,11 +262,18 @@ TEST_F(CommandsTest, StartNameOverridesTheConfigName) {
 TEST_F(CommandsTest, StartInputErrorsAreUsageErrors) {
   EXPECT_EQ(Run({"start", "--config", "/nonexistent/config.json"}), kExitUsage);
   EXPECT_NE(err_.str().find("cannot read config file"), std::string::npos) << err_.str();
-
-  const std::string bad = WriteFile("bad.json", "{\"name\": \"x\", \"sequence_length\": 3}");
-  EXPECT_EQ(Run({"start", "--config", bad, "--name", "y"}), kExitUsage);
-  EXPECT_NE(err_.str().find("sequence_length"), std::string::npos) << err_.str();
+  // A folder opens like a file but reads as nothing: not sent as an empty config.
+  EXPECT_EQ(Run({"start", "--config", ::testing::TempDir()}), kExitUsage);
+  EXPECT_NE(err_.str().find("cannot read config file"), std::string::npos) << err_.str();
   EXPECT_TRUE(trainer_.last_config_json.empty());
+}
+
+// With --name, a config that does not parse is still the daemon's to judge: it goes as it is,
+// so that the error and exit code are the ones the same file gets without --name.
+TEST_F(CommandsTest, StartNameLeavesAnInvalidConfigToTheDaemon) {
+  const std::string contents = "{\"name\": \"x\", \"sequence_length\": 3}";
+  ASSERT_EQ(Run({"start", "--config", WriteFile("bad.json", contents), "--name", "y"}), kExitOk) << err_.str();
+  EXPECT_EQ(trainer_.last_config_json, contents);
 }
 
 TEST_F(CommandsTest, PauseResumeHalt) {
