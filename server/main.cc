@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <spdlog/spdlog.h>
 
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -80,6 +82,19 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot create state dir {}: {}", options.state_dir, e.what());
     return 1;
   }
+  // One daemon per state dir: a second one would mark the first one's live runs FAILED and
+  // hand out the same run ids. The lock goes with the process (close, exit or crash).
+  const std::string lock_path = options.state_dir + "/nsad.lock";
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd < 0) {
+    spdlog::critical("cannot use state dir {}: cannot create {}: {}", options.state_dir, lock_path,
+                     std::strerror(errno));
+    return 1;
+  }
+  if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    spdlog::critical("state dir {} is in use by another nsad (it holds {})", options.state_dir, lock_path);
+    return 1;
+  }
 
   nsad::server::Metrics metrics;
   if (options.metrics_address != "off") {
@@ -106,14 +121,23 @@ int main(int argc, char** argv) {
   }
   spdlog::info("workers: {} CUDA device(s), NSA CUDA kernels {}", caps.cuda_devices,
                caps.cuda_kernels ? "available" : "unavailable");
-  auto runs = std::make_unique<nsad::server::RunManager>(
-      options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
-      nsad::server::DefaultConfigChecker(caps),
-      nsad::server::RunManagerOptions{options.allow_fault_injection});
+  std::unique_ptr<nsad::server::RunManager> runs;
+  try {
+    runs = std::make_unique<nsad::server::RunManager>(
+        options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
+        nsad::server::DefaultConfigChecker(caps),
+        nsad::server::RunManagerOptions{options.allow_fault_injection});
+  } catch (const std::exception& e) {
+    spdlog::critical("cannot load the run records in {}: {}", options.state_dir, e.what());
+    return 1;
+  }
   nsad::server::TrainerService service(runs.get());
 
   int port = 0;
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second daemon on a taken port would then share it,
+  // and calls would reach either daemon at random.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -5,9 +5,11 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -59,6 +61,49 @@ void WriteFileAtomically(const fs::path& path, const std::string& content) {
   ::fsync(fd);
   ::close(fd);
   fs::rename(tmp, path);
+}
+
+// The first committed checkpoint (step_<n>, without the .tmp of one being written) in
+// `dir`, or "".
+std::string FirstCheckpointIn(const std::string& dir) {
+  std::error_code error;
+  for (fs::directory_iterator it(dir, error), end; !error && it != end; it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos) return name;
+  }
+  return "";
+}
+
+bool HoldsCheckpoints(const std::string& dir) { return !dir.empty() && !FirstCheckpointIn(dir).empty(); }
+
+// A run keeps its last checkpoint_keep checkpoints (step_*) in checkpoint_dir and deletes the
+// older ones, whoever wrote them. A folder that already holds checkpoints is therefore only
+// taken by a run that continues them (resume_from inside it, or "latest"); otherwise the
+// message says what is there. Empty = fine.
+std::string ForeignCheckpoints(const TrainConfig& config) {
+  if (config.checkpoint_dir.empty() || config.resume_from == "latest") return "";
+  const std::string found = FirstCheckpointIn(config.checkpoint_dir);
+  if (found.empty()) return "";
+  if (!config.resume_from.empty()) {
+    std::error_code ignored;
+    const fs::path parent = fs::weakly_canonical(fs::path(config.resume_from), ignored).parent_path();
+    if (parent == fs::weakly_canonical(config.checkpoint_dir, ignored)) return "";
+  }
+  return config.checkpoint_dir + " already holds checkpoints (" + found +
+         ") that this run would prune; give an empty folder, or resume_from one of them";
+}
+
+// A checkpoint_dir the run could not write would fail it at its first checkpoint, after
+// checkpoint_every steps of work: found here instead. Empty = fine (or no checkpoints asked).
+std::string UnwritableCheckpointDir(const TrainConfig& config) {
+  if (config.checkpoint_dir.empty() || config.checkpoint_every <= 0) return "";
+  std::error_code error;
+  fs::create_directories(config.checkpoint_dir, error);
+  if (error) return "cannot create " + config.checkpoint_dir + ": " + error.message();
+  if (::access(config.checkpoint_dir.c_str(), W_OK) != 0) {
+    return "cannot write " + config.checkpoint_dir + ": " + std::strerror(errno);
+  }
+  return "";
 }
 
 }  // namespace
@@ -143,7 +188,7 @@ void RunManager::LoadPersistedRuns() {
       // The process that ran it is gone; say so instead of showing a run that never moves.
       run->info.set_message("daemon stopped while the run was " + StateName(run->info.state()));
       run->info.set_state(nsa::v1::FAILED);
-      Persist(*run);
+      PersistOrLog(*run);  // a full or read-only state dir: serve what is known, do not abort
     }
     const std::string& id = run->info.run_id();
     if (id.rfind("run-", 0) == 0) {
@@ -163,9 +208,14 @@ fs::path RunManager::RunsDir() const { return fs::path(state_dir_) / "runs"; }
 fs::path RunManager::RunDir(const std::string& run_id) const { return RunsDir() / run_id; }
 
 std::string RunManager::NextRunId() {
-  char id[32];
-  std::snprintf(id, sizeof(id), "run-%06lld", static_cast<long long>(next_id_++));
-  return id;
+  // Past every folder in runs/ too: a record that could not be read (and so set no next_id_)
+  // still owns its folder and checkpoints.
+  while (true) {
+    char id[32];
+    std::snprintf(id, sizeof(id), "run-%06lld", static_cast<long long>(next_id_++));
+    std::error_code ignored;
+    if (!fs::exists(RunDir(id), ignored)) return id;
+  }
 }
 
 grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1::RunInfo* out) {
@@ -189,6 +239,12 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     return {grpc::StatusCode::INVALID_ARGUMENT,
             "config: unknown field " + unknown.front() + " (client newer than daemon?)"};
   }
+  // FromProto reads a value it does not know as auto: a newer client's backend must not run as
+  // another one.
+  if (!nsa::v1::AttentionBackend_IsValid(proto.attention_backend())) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "invalid config: attention_backend: unknown value " +
+                                                    std::to_string(proto.attention_backend())};
+  }
   TrainConfig config = FromProto(proto);
   config.allow_fault_injection = options_.allow_fault_injection;
   auto errors = ValidateConfig(config);
@@ -199,31 +255,51 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
 
   auto run = std::make_shared<Run>();
   run->config = config;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (shutting_down_) return {grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"};
-    run->info.set_run_id(NextRunId());
-    runs_[run->info.run_id()] = run;
+  std::unique_lock<std::mutex> manager_lock(mutex_);
+  if (shutting_down_) return {grpc::StatusCode::UNAVAILABLE, "daemon is shutting down"};
+  if (const std::string used_by = CheckpointDirUser(config.checkpoint_dir); !used_by.empty()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "invalid config: checkpoint_dir: " + config.checkpoint_dir + " is the checkpoint folder of run " +
+                used_by + " (a run prunes its folder to its last checkpoint_keep checkpoints)"};
   }
+  if (const std::string error = ForeignCheckpoints(config); !error.empty()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "invalid config: checkpoint_dir: " + error};
+  }
+  if (const std::string error = UnwritableCheckpointDir(config); !error.empty()) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "invalid config: checkpoint_dir: " + error};
+  }
+  const std::string id = NextRunId();
+  run->info.set_run_id(id);
   if (run->config.checkpoint_dir.empty()) {
     // Every run checkpoints into its own folder unless the config says otherwise.
-    run->config.checkpoint_dir =
-        (RunDir(run->info.run_id()) / "checkpoints").string();
+    run->config.checkpoint_dir = (RunDir(id) / "checkpoints").string();
   }
   config = run->config;
+  *run->info.mutable_config() = ToProto(config);
+  run->info.set_attention_backend(ToProto(config.attention_backend));
+  run->info.set_created_unix_ms(NowMs());
+  run->info.mutable_progress()->set_max_steps(config.max_steps);
+  run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
+  run->info.set_state(nsa::v1::PENDING);
+  // The record is on disk before the run exists: a state dir that cannot take it refuses the
+  // run instead of leaving one that no restart would know.
+  try {
+    fs::create_directories(RunDir(id));
+    Persist(*run);
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove_all(RunDir(id), ignored);
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            "state_dir: cannot record run " + id + " under " + RunsDir().string() + ": " + e.what()};
+  }
+  runs_[id] = run;
   {
     std::lock_guard<std::mutex> lock(run->mutex);
-    *run->info.mutable_config() = ToProto(config);
-    run->info.set_attention_backend(ToProto(config.attention_backend));
-    run->info.set_created_unix_ms(NowMs());
-    run->info.mutable_progress()->set_max_steps(config.max_steps);
-    run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
-    fs::create_directories(RunDir(run->info.run_id()));
     Transition(*run, nsa::v1::PENDING, "");
     *out = run->info;
   }
   spdlog::info("run {} started: {}", out->run_id(), config.name);
-  std::lock_guard<std::mutex> lock(mutex_);  // guards run->thread against WaitForRuns
+  // Still under mutex_, which guards run->thread against WaitForRuns.
   run->thread = std::thread([this, run] { Execute(run); });
   return grpc::Status::OK;
 }
@@ -297,7 +373,11 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     p->set_tokens_seen(m.tokens_seen);
     p->set_elapsed_seconds(p->elapsed_seconds() + m.step_seconds);
     p->set_skipped_steps(m.skipped_steps);
-    if (!m.checkpoint.empty()) p->set_last_checkpoint(m.checkpoint);
+    if (!m.checkpoint.empty()) {
+      p->set_last_checkpoint(m.checkpoint);
+      // On disk at once: after a crash or SIGKILL of the daemon, resume starts from here.
+      PersistOrLog(*run);
+    }
     if (!std::isnan(val_loss)) {
       p->set_val_loss(val_loss);
       p->set_val_step(m.step);
@@ -331,12 +411,28 @@ void RunManager::Transition(Run& run, RunState state, const std::string& message
   run.info.set_message(message);
   run.info.set_updated_unix_ms(NowMs());
   metrics_->SetState(run.info.run_id(), state);
+  PersistOrLog(run);
+  Publish(run);
+}
+
+void RunManager::PersistOrLog(const Run& run) {
   try {
     Persist(run);
   } catch (const std::exception& e) {
-    spdlog::error("run {}: cannot persist state: {}", run.info.run_id(), e.what());
+    spdlog::error("run {}: cannot persist its record: {}", run.info.run_id(), e.what());
   }
-  Publish(run);
+}
+
+std::string RunManager::CheckpointDirUser(const std::string& dir) const {
+  if (dir.empty()) return "";
+  std::error_code ignored;
+  const fs::path wanted = fs::weakly_canonical(dir, ignored);
+  for (const auto& [id, run] : runs_) {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    if (IsTerminal(run->info.state())) continue;  // a resume is refused while the folder is taken
+    if (fs::weakly_canonical(run->config.checkpoint_dir, ignored) == wanted) return id;
+  }
+  return "";
 }
 
 void RunManager::Publish(Run& run) {
@@ -411,10 +507,16 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
   std::unique_lock<std::mutex> lock(run->mutex);
   const RunState s = run->info.state();
   if (s != nsa::v1::HALTED && s != nsa::v1::FAILED) return Precondition(id, s, "resume");
-  const std::string checkpoint = run->info.progress().last_checkpoint();
+  std::string checkpoint = run->info.progress().last_checkpoint();
   if (checkpoint.empty() || !fs::exists(checkpoint)) {
-    return {grpc::StatusCode::FAILED_PRECONDITION,
-            "run " + id + " is " + StateName(s) + " and has no checkpoint to resume from"};
+    // The record can lag the folder by one checkpoint (a daemon killed between the worker's
+    // checkpoint and the record's rewrite, which keep-last pruning may have removed the
+    // recorded one in): the newest committed checkpoint of the run's folder is as good.
+    if (!HoldsCheckpoints(run->config.checkpoint_dir)) {
+      return {grpc::StatusCode::FAILED_PRECONDITION,
+              "run " + id + " is " + StateName(s) + " and has no checkpoint to resume from"};
+    }
+    checkpoint = "latest";
   }
   // The previous thread has finished its run (terminal state); reap it outside the lock.
   std::thread previous = std::move(run->thread);

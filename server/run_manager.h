@@ -75,7 +75,10 @@ class RunManager {
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
   void Publish(Run& run);
-  void Persist(const Run& run);
+  void Persist(const Run& run);       // throws when the record cannot be written
+  void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
+  // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
+  std::string CheckpointDirUser(const std::string& dir) const;
 
   const std::string state_dir_;
   Metrics* metrics_;

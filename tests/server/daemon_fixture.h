@@ -2,6 +2,7 @@
 // drive it over gRPC and HTTP exactly as users do. Every wait is bounded.
 #pragma once
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spawn.h>
@@ -50,6 +51,31 @@ inline bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds
 
 inline std::chrono::system_clock::time_point Deadline(int seconds = 10) {
   return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
+}
+
+// Runs nsad with `args` (after the binary) to its exit, its output into `log`; the exit
+// status, or -1 if it was still running after `seconds` (then killed).
+inline int RunNsadToExit(const std::vector<std::string>& args, const fs::path& log, int seconds = 60) {
+  std::vector<std::string> all = {NSAD_BINARY};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t files;
+  posix_spawn_file_actions_init(&files);
+  posix_spawn_file_actions_addopen(&files, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&files, 1, 2);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, NSAD_BINARY, &files, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&files);
+  if (rc != 0) throw std::runtime_error("cannot start " + std::string(NSAD_BINARY));
+  int status = 0;
+  if (!WaitFor([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, std::chrono::seconds(seconds))) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 class Daemon {
@@ -108,6 +134,17 @@ class Daemon {
     }
     pid_ = -1;
     return exit_status_;
+  }
+
+  // SIGKILL, as a crash or an OOM kill would end it: no shutdown, no last records written.
+  void Kill() {
+    if (pid_ <= 0) return;
+    stub_.reset();
+    channel_.reset();
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+    exit_status_ = -1;
   }
 
   bool Alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0; }

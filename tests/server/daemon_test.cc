@@ -297,6 +297,9 @@ TEST_F(DaemonTest, BadConfigsAreRejectedByField) {
        [](auto& c) { c.set_attention_backend(nsa::v1::ATTENTION_BACKEND_CUDA); }, "attention_backend"},
       {"no workers", [](auto& c) { c.set_world_size(0); }, "world_size"},
       {"data parallel on the cpu", [](auto& c) { c.set_world_size(2); }, "world_size"},
+      {"a backend this daemon does not know (a newer client's)",
+       [](auto& c) { c.set_attention_backend(static_cast<nsa::v1::AttentionBackend>(7)); }, "attention_backend"},
+      {"device index past int", [](auto& c) { c.set_device("cuda:2147483648"); }, "device"},
   };
   for (const auto& tc : cases) {
     auto config = TinyConfig(shards_);
@@ -608,7 +611,8 @@ TEST_F(DaemonTest, HaltedRunResumesFromItsLatestCheckpoint) {
   ASSERT_FALSE(checkpoint.empty());
   EXPECT_TRUE(fs::exists(checkpoint)) << checkpoint;
 
-  // Across a daemon restart, too.
+  // Across a daemon restart, too (one daemon per state dir: the first one stops first).
+  daemon_.reset();
   daemon_ = std::make_unique<Daemon>(dir_ / "state");
   nsa::v1::RunInfo resumed;
   const auto status = Control(&nsa::v1::Trainer::Stub::ResumeRun, id, &resumed);
@@ -671,6 +675,148 @@ TEST_F(DaemonTest, RunRecordsSurviveARestart) {
   nsa::v1::RunInfo next;
   ASSERT_TRUE(Start(TinyConfig(shards_), &next).ok());
   EXPECT_NE(next.run_id(), run.run_id()) << "ids are never reused";
+}
+
+// A daemon killed outright (a crash, the OOM killer, systemd's SIGKILL after its stop
+// timeout) writes nothing on the way out: the run record must already name the run's last
+// checkpoint, so that the run resumes from it after a restart.
+TEST_F(DaemonTest, AKilledDaemonsRunResumesFromItsLastCheckpoint) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(3);
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(config, &run).ok());
+  const std::string id = run.run_id();
+  ASSERT_TRUE(WaitFor([&] { return Get(id).progress().step() >= 7; }, std::chrono::seconds(120)));
+  daemon_->Kill();
+
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  const auto after = Get(id);
+  EXPECT_EQ(after.state(), nsa::v1::FAILED);
+  EXPECT_NE(after.message().find("daemon stopped"), std::string::npos) << after.message();
+  const std::string checkpoint = after.progress().last_checkpoint();
+  ASSERT_FALSE(checkpoint.empty()) << "the record was not written when the checkpoint was";
+  EXPECT_TRUE(fs::exists(checkpoint)) << checkpoint;
+  EXPECT_GE(after.progress().step(), 6);
+  nsa::v1::RunInfo resumed;
+  const auto status = Control(&nsa::v1::Trainer::Stub::ResumeRun, id, &resumed);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(resumed.config().resume_from(), checkpoint);
+  ASSERT_TRUE(WaitForStep(id, after.progress().step() + 2)) << "the resumed run trains on";
+
+  // Killed again, and the recorded checkpoint gone (the record can lag the folder by one
+  // checkpoint, and keep-last pruning may remove the one it names): the run resumes from the
+  // newest checkpoint its folder holds.
+  daemon_->Kill();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  const auto again = Get(id);
+  ASSERT_FALSE(again.progress().last_checkpoint().empty());
+  fs::remove_all(again.progress().last_checkpoint());
+  const auto from_latest = Control(&nsa::v1::Trainer::Stub::ResumeRun, id, &resumed);
+  ASSERT_TRUE(from_latest.ok()) << from_latest.error_message();
+  EXPECT_EQ(resumed.config().resume_from(), "latest");
+  ASSERT_TRUE(WaitForState(id, nsa::v1::RUNNING, 60));
+  ASSERT_TRUE(Halt(id, "done").ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
+}
+
+// One daemon per state dir, and one per gRPC port: a second one exits with a clear message
+// and touches nothing of the first one's (whose live run stays RUNNING, not FAILED).
+TEST_F(DaemonTest, ASecondDaemonOnTheSameStateDirOrPortExits) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 1));
+  const fs::path log = dir_ / "second.log";
+  EXPECT_EQ(RunNsadToExit({"--listen", "127.0.0.1:0", "--metrics", "off", "--state-dir", (dir_ / "state").string()},
+                          log),
+            1);
+  EXPECT_NE(ReadFile(log).find("in use by another nsad"), std::string::npos) << ReadFile(log);
+  EXPECT_EQ(Get(run.run_id()).state(), nsa::v1::RUNNING);
+  EXPECT_EQ(RunNsadToExit({"--listen", daemon_->address(), "--metrics", "off", "--state-dir",
+                           (dir_ / "other-state").string()},
+                          log),
+            1);
+  EXPECT_NE(ReadFile(log).find("cannot listen"), std::string::npos) << ReadFile(log);
+  EXPECT_EQ(Get(run.run_id()).state(), nsa::v1::RUNNING) << "calls still reach the first daemon";
+}
+
+// A state dir that cannot take a new run's record refuses the run (naming the state dir)
+// instead of listing a run that no restart would know; the next start, once it can, works.
+TEST_F(DaemonTest, AStartTheStateDirCannotRecordIsRefused) {
+  const fs::path runs = dir_ / "state" / "runs";
+  fs::rename(runs, dir_ / "runs-away");
+  std::ofstream(runs.string()) << "not a folder";
+  nsa::v1::RunInfo run;
+  const auto refused = Start(TinyConfig(shards_), &run);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("state_dir"), std::string::npos) << refused.error_message();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  nsa::v1::ListRunsResponse listed;
+  ASSERT_TRUE(daemon_->stub().ListRuns(&ctx, nsa::v1::ListRunsRequest(), &listed).ok());
+  EXPECT_EQ(listed.runs_size(), 0) << "no run was left behind";
+
+  fs::remove(runs);
+  fs::rename(dir_ / "runs-away", runs);
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 1));
+}
+
+// A run whose record cannot be read still owns its folder: its id is not handed out again
+// (the new run would write into the old one's folder and prune its checkpoints).
+TEST_F(DaemonTest, AnUnreadableRecordsIdIsNotReused) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(2);
+  nsa::v1::RunInfo old_run;
+  ASSERT_TRUE(Start(config, &old_run).ok());
+  ASSERT_TRUE(WaitFor([&] { return !Get(old_run.run_id()).progress().last_checkpoint().empty(); },
+                      std::chrono::seconds(120)));
+  daemon_.reset();
+  const fs::path old_dir = dir_ / "state" / "runs" / old_run.run_id();
+  std::ofstream(old_dir / "run.json", std::ios::trunc) << "{trunc";
+
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  nsa::v1::RunInfo next;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &next).ok());
+  EXPECT_NE(next.run_id(), old_run.run_id());
+  EXPECT_EQ(ReadFile(old_dir / "run.json"), "{trunc") << "the old folder is left alone";
+}
+
+// A run prunes its checkpoint_dir to its last checkpoint_keep checkpoints, whoever wrote
+// them: a folder another live run checkpoints into, or one that holds checkpoints already,
+// is refused by name, unless the new run continues from one of them (resume_from there).
+TEST_F(DaemonTest, ACheckpointFolderWithOthersCheckpointsIsRefused) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(2);
+  config.set_checkpoint_dir((dir_ / "shared").string());
+  nsa::v1::RunInfo first;
+  ASSERT_TRUE(Start(config, &first).ok());
+  nsa::v1::RunInfo second;
+  auto refused = Start(config, &second);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("checkpoint_dir"), std::string::npos) << refused.error_message();
+  EXPECT_NE(refused.error_message().find(first.run_id()), std::string::npos) << refused.error_message();
+
+  ASSERT_TRUE(WaitFor([&] { return !Get(first.run_id()).progress().last_checkpoint().empty(); },
+                      std::chrono::seconds(120)));
+  ASSERT_TRUE(Halt(first.run_id(), "").ok());
+  ASSERT_TRUE(WaitForState(first.run_id(), nsa::v1::HALTED, 60));
+  refused = Start(config, &second);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("already holds checkpoints"), std::string::npos) << refused.error_message();
+
+  config.set_resume_from(Get(first.run_id()).progress().last_checkpoint());
+  ASSERT_TRUE(Start(config, &second).ok()) << "a run that continues the folder's checkpoints takes it";
+  ASSERT_TRUE(Halt(second.run_id(), "").ok());
+
+  // A folder the run could not create is refused at the start, not at the first checkpoint.
+  std::ofstream((dir_ / "a-file").string()) << "x";
+  auto unwritable = TinyConfig(shards_);
+  unwritable.set_checkpoint_every(2);
+  unwritable.set_checkpoint_dir((dir_ / "a-file" / "checkpoints").string());
+  refused = Start(unwritable, &second);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("checkpoint_dir: cannot create"), std::string::npos)
+      << refused.error_message();
 }
 
 }  // namespace
