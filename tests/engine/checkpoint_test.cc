@@ -162,6 +162,16 @@ TEST_F(CheckpointTest, AFullDiskIsAnErrorNamingTheFile) {
   torch::Tensor weights;
   back.read("weights", weights);
   EXPECT_TRUE(torch::equal(weights, torch::ones({1024, 64})));
+  if (ProbeRuntime().cuda_devices == 0) return;
+  // A CUDA model's archive (what a GPU run checkpoints) through the same writer.
+  const auto on_gpu = torch::randn({333, 77}, torch::Device(torch::kCUDA, 0));
+  torch::serialize::OutputArchive gpu_archive;
+  gpu_archive.write("weights", on_gpu);
+  SaveArchive(gpu_archive, path);
+  torch::serialize::InputArchive gpu_back;
+  gpu_back.load_from(path);
+  gpu_back.read("weights", weights);
+  EXPECT_TRUE(torch::equal(weights.cpu(), on_gpu.cpu()));
 }
 
 TEST_F(CheckpointTest, CorruptionIsDetectedAndNamesTheFile) {
