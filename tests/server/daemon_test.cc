@@ -719,6 +719,23 @@ TEST_F(DaemonTest, AKilledDaemonsRunResumesFromItsLastCheckpoint) {
   ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
 }
 
+// A record the daemon must rewrite at startup (a run it finds RUNNING becomes FAILED) but
+// cannot (a full or read-only state dir; here its temporary file's name is taken by a folder)
+// is logged: the daemon serves, and the run shows FAILED. It aborted before, and under
+// systemd's Restart=on-failure that was a crash loop.
+TEST_F(DaemonTest, ARecordThatCannotBeRewrittenDoesNotStopTheDaemon) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 1));
+  daemon_->Kill();
+  fs::create_directories(dir_ / "state" / "runs" / run.run_id() / "run.json.tmp");
+
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  const auto after = Get(run.run_id());
+  EXPECT_EQ(after.state(), nsa::v1::FAILED);
+  EXPECT_NE(after.message().find("daemon stopped"), std::string::npos) << after.message();
+}
+
 // One daemon per state dir, and one per gRPC port: a second one exits with a clear message
 // and touches nothing of the first one's (whose live run stays RUNNING, not FAILED).
 TEST_F(DaemonTest, ASecondDaemonOnTheSameStateDirOrPortExits) {
@@ -737,6 +754,14 @@ TEST_F(DaemonTest, ASecondDaemonOnTheSameStateDirOrPortExits) {
             1);
   EXPECT_NE(ReadFile(log).find("cannot listen"), std::string::npos) << ReadFile(log);
   EXPECT_EQ(Get(run.run_id()).state(), nsa::v1::RUNNING) << "calls still reach the first daemon";
+
+  // A state dir that cannot take the lock file is named as such (it blamed the worker).
+  fs::create_directories(dir_ / "third-state" / "nsad.lock");
+  EXPECT_EQ(RunNsadToExit({"--listen", "127.0.0.1:0", "--metrics", "off", "--state-dir",
+                           (dir_ / "third-state").string()},
+                          log),
+            1);
+  EXPECT_NE(ReadFile(log).find("cannot use state dir"), std::string::npos) << ReadFile(log);
 }
 
 // A state dir that cannot take a new run's record refuses the run (naming the state dir)
