@@ -118,6 +118,9 @@ std::string WorkerProcess::DescribeExit() {
   if (WIFSIGNALED(status)) {
     what += "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
             strsignal(WTERMSIG(status)) + ")";
+    // The token shards are memory-mapped: a shard truncated or replaced in place while a run
+    // reads it ends the worker with SIGBUS, which names no file.
+    if (WTERMSIG(status) == SIGBUS) what += ": was a data shard truncated or rewritten while in use?";
   } else if (WIFEXITED(status)) {
     what += "exited with status " + std::to_string(WEXITSTATUS(status));
   } else {

@@ -593,6 +593,20 @@ TEST_F(DaemonTest, AWorkerCrashFailsOnlyItsRun) {
   EXPECT_TRUE(WaitForStep(next.run_id(), 1)) << "the daemon still trains";
 }
 
+// A token shard truncated under a running run (the shards are memory-mapped) ends its
+// worker with SIGBUS: the run fails with a reason that points at the data, not a bare signal.
+TEST_F(DaemonTest, AShardTruncatedUnderARunFailsItWithAHint) {
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 1));
+  fs::resize_file(shards_ / "tiny_train_000000.bin", 0);
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::FAILED, 60));
+  const auto failed = Get(run.run_id());
+  EXPECT_NE(failed.message().find("signal 7"), std::string::npos) << failed.message();
+  EXPECT_NE(failed.message().find("data shard truncated"), std::string::npos) << failed.message();
+  ASSERT_TRUE(daemon_->Alive());
+}
+
 // Each run checkpoints into its own folder; a halted run resumes from its latest
 // checkpoint, also after the daemon restarted.
 TEST_F(DaemonTest, HaltedRunResumesFromItsLatestCheckpoint) {
