@@ -41,10 +41,7 @@ __global__ void MoveRowsKernel(const Vec* __restrict__ src, Vec* __restrict__ ds
       if (t < T) src_row = (static_cast<int64_t>(b) * T + t) * H + h;
     } else {
       const int t = static_cast<int>(in_batch / H), h = static_cast<int>(in_batch % H);
-      if (t >= first) {
-        const int a = (t - first) / stride, r = (t - first) % stride;
-        src_row = (static_cast<int64_t>(b) * N + a) * H * stride + h * stride + r;
-      }
+      src_row = PackedCmpRow(b, t, h, N, H, first, stride);
     }
     Vec value;
     value.v[0] = make_uint4(0, 0, 0, 0);
@@ -69,9 +66,7 @@ __global__ void UnpackToFloatKernel(const Vec* __restrict__ src, float4* __restr
     const int t = static_cast<int>((row / H) % T);
     const int b = static_cast<int>(row / (static_cast<int64_t>(H) * T));
     float f[kPer] = {};
-    if (t >= first) {
-      const int a = (t - first) / stride, r = (t - first) % stride;
-      const int64_t src_row = (static_cast<int64_t>(b) * N + a) * H * stride + h * stride + r;
+    if (const int64_t src_row = PackedCmpRow(b, t, h, N, H, first, stride); src_row >= 0) {
       const Packed<scalar_t, kPer> x = *reinterpret_cast<const Packed<scalar_t, kPer>*>(src + src_row * vecs + piece);
 #pragma unroll
       for (int k = 0; k < kPer; ++k) f[k] = static_cast<float>(x.v[k]);

@@ -44,9 +44,7 @@ __device__ __forceinline__ int64_t RowOfA(int64_t row, const CmpPackedRows& p) {
     const int h = static_cast<int>(row - bt * p.H);
     const int64_t b = bt / p.T;
     const int t = static_cast<int>(bt - b * p.T);
-    if (t < p.first) return -1;
-    const int a = (t - p.first) / p.stride, r = t - p.first - a * p.stride;
-    return ((b * p.N + a) * p.H + h) * p.stride + r;
+    return PackedCmpRow(static_cast<int>(b), t, h, p.N, p.H, p.first, p.stride);
   }
 }
 

@@ -260,6 +260,16 @@ __device__ __forceinline__ bool RepeatsEarlierSlot(const int* list, int slot) {
   return repeat;
 }
 
+// The compressed branch's packed query row (compressed_packed.cu, the cuDNN path's layout
+// [B, N, H*stride, D]; CmpPackedRows) of position t, head h in batch b: row a = (t - first) /
+// stride holds positions first + a*stride .. + stride-1 side by side as extra heads. -1 for a
+// position before first, which sees no compressed block and has no row.
+__device__ __forceinline__ int64_t PackedCmpRow(int b, int t, int h, int N, int H, int first, int stride) {
+  if (t < first) return -1;
+  const int a = (t - first) / stride, r = t - first - a * stride;
+  return ((static_cast<int64_t>(b) * N + a) * H + h) * stride + r;
+}
+
 // Whether block `blk` is one of position t's local blocks: block 0, the block holding t and
 // the one before it. The selection always takes them (select_blocks.cu), and every position
 // of a block shares them, so the key-centric forward can hand them to a tiled pass over
