@@ -17,6 +17,7 @@
 
 #include "config_mapping.h"
 #include "recent_throughput.h"
+#include "trainer/checkpoint_store.h"
 
 namespace nsad::server {
 
@@ -63,27 +64,16 @@ void WriteFileAtomically(const fs::path& path, const std::string& content) {
   fs::rename(tmp, path);
 }
 
-// The first committed checkpoint (step_<n>, without the .tmp of one being written) in
-// `dir`, or "".
-std::string FirstCheckpointIn(const std::string& dir) {
-  std::error_code error;
-  for (fs::directory_iterator it(dir, error), end; !error && it != end; it.increment(error)) {
-    const std::string name = it->path().filename().string();
-    if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos) return name;
-  }
-  return "";
-}
-
-bool HoldsCheckpoints(const std::string& dir) { return !dir.empty() && !FirstCheckpointIn(dir).empty(); }
-
 // A run keeps its last checkpoint_keep checkpoints (step_*) in checkpoint_dir and deletes the
 // older ones, whoever wrote them. A folder that already holds checkpoints is therefore only
 // taken by a run that continues them (resume_from inside it, or "latest"); otherwise the
 // message says what is there. Empty = fine.
 std::string ForeignCheckpoints(const TrainConfig& config) {
   if (config.checkpoint_dir.empty() || config.resume_from == "latest") return "";
-  const std::string found = FirstCheckpointIn(config.checkpoint_dir);
-  if (found.empty()) return "";
+  // What PruneCheckpoints would delete: the store's own listing.
+  const auto stored = checkpoint::ListCheckpoints(config.checkpoint_dir);
+  if (stored.empty()) return "";
+  const std::string found = fs::path(stored.back().path).filename().string();
   if (!config.resume_from.empty()) {
     std::error_code ignored;
     const fs::path parent = fs::weakly_canonical(fs::path(config.resume_from), ignored).parent_path();
@@ -512,7 +502,7 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
     // The record can lag the folder by one checkpoint (a daemon killed between the worker's
     // checkpoint and the record's rewrite, which keep-last pruning may have removed the
     // recorded one in): the newest committed checkpoint of the run's folder is as good.
-    if (!HoldsCheckpoints(run->config.checkpoint_dir)) {
+    if (checkpoint::ListCheckpoints(run->config.checkpoint_dir).empty()) {
       return {grpc::StatusCode::FAILED_PRECONDITION,
               "run " + id + " is " + StateName(s) + " and has no checkpoint to resume from"};
     }
