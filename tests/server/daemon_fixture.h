@@ -53,6 +53,18 @@ inline std::chrono::system_clock::time_point Deadline(int seconds = 10) {
   return std::chrono::system_clock::now() + std::chrono::seconds(seconds);
 }
 
+// Waits (bounded) for `pid` to exit; its exit status, or -1 when it was killed by a signal or
+// still ran after `timeout` (then SIGKILLed and reaped).
+inline int WaitForExit(pid_t pid, std::chrono::seconds timeout) {
+  int status = 0;
+  if (!WaitFor([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, timeout)) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 // Runs nsad with `args` (after the binary) to its exit, its output into `log`; the exit
 // status, or -1 if it was still running after `seconds` (then killed).
 inline int RunNsadToExit(const std::vector<std::string>& args, const fs::path& log, int seconds = 60) {
@@ -69,13 +81,7 @@ inline int RunNsadToExit(const std::vector<std::string>& args, const fs::path& l
   const int rc = ::posix_spawn(&pid, NSAD_BINARY, &files, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&files);
   if (rc != 0) throw std::runtime_error("cannot start " + std::string(NSAD_BINARY));
-  int status = 0;
-  if (!WaitFor([&] { return ::waitpid(pid, &status, WNOHANG) == pid; }, std::chrono::seconds(seconds))) {
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
-    return -1;
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return WaitForExit(pid, std::chrono::seconds(seconds));
 }
 
 class Daemon {
@@ -122,16 +128,7 @@ class Daemon {
     stub_.reset();
     channel_.reset();
     ::kill(pid_, SIGTERM);
-    int status = 0;
-    const bool exited = WaitFor([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; },
-                                std::chrono::seconds(30));
-    if (!exited) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, &status, 0);
-      exit_status_ = -1;
-    } else {
-      exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
+    exit_status_ = WaitForExit(pid_, std::chrono::seconds(30));
     pid_ = -1;
     return exit_status_;
   }
