@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include "nsa/kernel_limits.h"
+#include "nsad/engine.h"
+#include "trainer/resume_target.h"
 
 namespace nsad {
 
@@ -274,7 +276,18 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
   if (d.val_path.empty()) c.InRange("data.val_fraction", d.val_fraction, 0.0f, 1.0f, false);
   CheckCheckpoints(config, c);
   CheckNonFinite(config, c);
-  return c.Take();
+  auto errors = c.Take();
+  // A config valid so far that resumes is held against its checkpoint as the trainer will load
+  // it (file sizes, not checksums: those read every byte and stay with the load), so that a
+  // checkpoint of another model or run is refused before a run exists.
+  if (errors.empty() && !config.resume_from.empty()) {
+    try {
+      CheckResumeTarget(ResolveResumeDir(config), config, checkpoint::Verify::kSizes);
+    } catch (const ConfigError& e) {
+      errors = e.errors();
+    }
+  }
+  return errors;
 }
 
 namespace {

@@ -248,6 +248,11 @@ TEST_F(CheckpointTest, ResumeRefusesACheckpointOfAnotherTrajectory) {
   c.resume_from = CheckpointDir() + "/step_000000002";
   c.optim.lr *= 2;
   c.seed += 1;
+  // ValidateConfig (the daemon's StartRun) says so before any trainer exists.
+  const auto errors = ValidateConfig(c);
+  ASSERT_EQ(errors.size(), 1u) << FormatFieldErrors(errors);
+  EXPECT_EQ(errors[0].field, "resume_from");
+  EXPECT_NE(errors[0].message.find("seed: checkpoint 1234, now 1235"), std::string::npos) << errors[0].message;
   try {
     Trainer::Create(c);
     FAIL() << "expected ConfigError";

@@ -858,5 +858,51 @@ TEST_F(DaemonTest, ACheckpointFolderWithOthersCheckpointsIsRefused) {
       << refused.error_message();
 }
 
+// A resume_from that cannot continue the new config's run (a checkpoint of another model,
+// or "latest" in a folder without checkpoints) is refused by StartRun, naming the field and
+// the difference; before, the run was created and its worker failed it.
+TEST_F(DaemonTest, AResumeFromAnotherModelsCheckpointIsRefusedBeforeARunExists) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(2);
+  config.set_checkpoint_dir((dir_ / "checkpoints").string());
+  nsa::v1::RunInfo first;
+  ASSERT_TRUE(Start(config, &first).ok());
+  ASSERT_TRUE(WaitFor([&] { return !Get(first.run_id()).progress().last_checkpoint().empty(); },
+                      std::chrono::seconds(120)));
+  ASSERT_TRUE(Halt(first.run_id(), "").ok());
+  ASSERT_TRUE(WaitForState(first.run_id(), nsa::v1::HALTED, 60));
+
+  auto wider = TinyConfig(shards_);
+  wider.mutable_model()->set_dim(48);
+  wider.set_resume_from(Get(first.run_id()).progress().last_checkpoint());
+  nsa::v1::RunInfo refused_run;
+  auto refused = Start(wider, &refused_run);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("resume_from"), std::string::npos) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("model.dim: checkpoint 32, now 48"), std::string::npos)
+      << refused.error_message();
+
+  auto latest = TinyConfig(shards_);
+  latest.set_checkpoint_dir((dir_ / "empty").string());
+  latest.set_resume_from("latest");
+  refused = Start(latest, &refused_run);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("resume_from: \"latest\": no checkpoint in"), std::string::npos)
+      << refused.error_message();
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  nsa::v1::ListRunsResponse list;
+  ASSERT_TRUE(daemon_->stub().ListRuns(&ctx, nsa::v1::ListRunsRequest(), &list).ok());
+  EXPECT_EQ(list.runs_size(), 1) << "no run was created for the refused starts";
+
+  // The same model resumes from it.
+  auto same = TinyConfig(shards_);
+  same.set_resume_from(Get(first.run_id()).progress().last_checkpoint());
+  nsa::v1::RunInfo resumed;
+  ASSERT_TRUE(Start(same, &resumed).ok());
+  EXPECT_TRUE(WaitForStep(resumed.run_id(), Get(first.run_id()).progress().step() + 1));
+}
+
 }  // namespace
 }  // namespace nsad::testing

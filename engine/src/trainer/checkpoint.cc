@@ -13,14 +13,11 @@
 #include "nsad/engine.h"
 #include "trainer/checkpoint_store.h"
 #include "trainer/config_text.h"
+#include "trainer/resume_target.h"
 
 namespace nsad {
 namespace {
 
-constexpr char kModelFile[] = "model.pt";
-constexpr char kOptimizerFile[] = "optim.pt";
-constexpr char kStateFile[] = "state";
-constexpr char kConfigFile[] = "config";
 constexpr char kStateFormat[] = "nsad-checkpoint-state/1";
 
 std::string ToHex(const torch::Tensor& bytes) {
@@ -134,45 +131,27 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
         try {
           torch::serialize::OutputArchive model_archive;
           model.save(model_archive);
-          SaveArchive(model_archive, dir + "/" + kModelFile);
+          SaveArchive(model_archive, dir + "/" + kCheckpointModelFile);
           torch::serialize::OutputArchive optimizer_archive;
           optimizer.Save(optimizer_archive);
-          SaveArchive(optimizer_archive, dir + "/" + kOptimizerFile);
+          SaveArchive(optimizer_archive, dir + "/" + kCheckpointOptimizerFile);
         } catch (const c10::Error& e) {
           throw checkpoint::CheckpointError(e.what_without_backtrace());
         }
-        checkpoint::WriteFileDurably(dir + "/" + kStateFile, StateToText(state, device));
-        checkpoint::WriteFileDurably(dir + "/" + kConfigFile, ConfigToText(config));
+        checkpoint::WriteFileDurably(dir + "/" + kCheckpointStateFile, StateToText(state, device));
+        checkpoint::WriteFileDurably(dir + "/" + kCheckpointConfigFile, ConfigToText(config));
       });
   checkpoint::PruneCheckpoints(config.checkpoint_dir, config.checkpoint_keep,
                                config.checkpoint_milestone_every);
   return path;
 }
 
-std::string ResolveResumeDir(const TrainConfig& config) {
-  if (config.resume_from != "latest") return config.resume_from;
-  const auto stored = checkpoint::ListCheckpoints(config.checkpoint_dir);
-  if (stored.empty()) ResumeError("\"latest\": no checkpoint in " + config.checkpoint_dir);
-  return stored.back().path;
-}
-
 ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
                            torch::nn::Module& model, AdamW& optimizer,
                            const torch::Device& device) {
-  try {
-    checkpoint::VerifyCheckpoint(dir, {kModelFile, kOptimizerFile, kStateFile, kConfigFile});
-  } catch (const checkpoint::CheckpointError& e) {
-    ResumeError(e.what());
-  }
-  const std::string config_path = dir + "/" + kConfigFile;
-  const auto differences = TrajectoryDifferences(checkpoint::ReadFile(config_path), config);
-  if (!differences.empty()) {
-    std::string message = "the checkpoint " + dir + " was written by a run with another config (";
-    for (size_t i = 0; i < differences.size(); ++i) message += (i ? "; " : "") + differences[i];
-    ResumeError(message + ")");
-  }
+  CheckResumeTarget(dir, config, checkpoint::Verify::kContents);
 
-  const std::string state_path = dir + "/" + kStateFile;
+  const std::string state_path = dir + "/" + kCheckpointStateFile;
   const auto values = ParseKeyValueLines(checkpoint::ReadFile(state_path));
   if (Require(values, "format", state_path) != kStateFormat) {
     ResumeError(state_path + ": unknown format \"" + values.at("format") + "\"");
@@ -186,11 +165,11 @@ ResumeState LoadCheckpoint(const std::string& dir, const TrainConfig& config,
 
   std::string file;
   try {
-    file = dir + "/" + kModelFile;
+    file = dir + "/" + kCheckpointModelFile;
     torch::serialize::InputArchive model_archive;
     model_archive.load_from(file, device);
     model.load(model_archive);
-    file = dir + "/" + kOptimizerFile;
+    file = dir + "/" + kCheckpointOptimizerFile;
     torch::serialize::InputArchive optimizer_archive;
     optimizer_archive.load_from(file, device);
     optimizer.Load(optimizer_archive);

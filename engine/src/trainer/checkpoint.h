@@ -40,10 +40,6 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
 // without a word.)
 void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& path);
 
-// The checkpoint directory config.resume_from names ("latest" = the newest committed one in
-// checkpoint_dir). Throws ConfigError on field resume_from.
-std::string ResolveResumeDir(const TrainConfig& config);
-
 // Verifies the checksums, checks that the checkpoint's run had the same trajectory-shaping
 // config (model, optim, data, seq_len, batch_size, grad_accum, seed), then loads model and
 // optimizer onto `device` and restores the RNG states. Throws ConfigError on field

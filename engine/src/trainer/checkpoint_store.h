@@ -45,9 +45,11 @@ std::string CheckpointPath(const std::string& root, int64_t step);
 std::string CommitCheckpoint(const std::string& root, int64_t step,
                              const std::function<void(const std::string& tmp_dir)>& write_files);
 
-// Checks every MANIFEST entry (present, size, CRC-32) and that `required` files are listed.
-// Throws CheckpointError naming the offending file.
-void VerifyCheckpoint(const std::string& dir, const std::vector<std::string>& required);
+// Checks every MANIFEST entry (present, size, and with kContents its CRC-32, which reads every
+// byte) and that `required` files are listed. Throws CheckpointError naming the offending file.
+enum class Verify { kSizes, kContents };
+void VerifyCheckpoint(const std::string& dir, const std::vector<std::string>& required,
+                      Verify depth = Verify::kContents);
 
 // Deletes committed checkpoints except the newest `keep` and milestones (step divisible by
 // milestone_every, when > 0). Returns the steps deleted.

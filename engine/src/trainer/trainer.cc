@@ -21,6 +21,7 @@
 #include "trainer/data_parallel.h"
 #include "trainer/nonfinite.h"
 #include "trainer/optimizer.h"
+#include "trainer/resume_target.h"
 #include "trainer/runtime.h"
 #include "trainer/schedule.h"
 #include "trainer/step_graph.h"
