@@ -14,11 +14,15 @@ std::string DaemonUsage() {
          "  --log-level LEVEL          trace|debug|info|warn|error (default info)\n"
          "  --worker PATH              nsad-worker binary (default: next to nsad)\n"
          "  --allow-fault-injection    accept run configs with fault_injection (drills, tests)\n"
+         "  --halt-timeout SECONDS     a halt (or shutdown) waits this long for the step in flight,\n"
+         "                             then kills the run's workers (default 60; 0 = no limit)\n"
          "The bound addresses are written to DIR/endpoints.json.\n";
 }
 
 bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::string* error) {
+  std::string halt_timeout = std::to_string(options->halt_timeout_seconds);
   const std::map<std::string, std::string*> flags = {
+      {"--halt-timeout", &halt_timeout},
       {"--listen", &options->listen_address},
       {"--metrics", &options->metrics_address},
       {"--alert-webhook", &options->alert_webhook_address},
@@ -60,6 +64,14 @@ bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::stri
     }
     *flag->second = value;
   }
+  constexpr int kMaxHaltTimeout = 86400;
+  if (halt_timeout.size() > 5 || halt_timeout.find_first_not_of("0123456789") != std::string::npos ||
+      std::stoi(halt_timeout) > kMaxHaltTimeout) {
+    *error = "--halt-timeout must be a whole number of seconds from 0 to " + std::to_string(kMaxHaltTimeout) +
+             " (got \"" + halt_timeout + "\")";
+    return false;
+  }
+  options->halt_timeout_seconds = std::stoi(halt_timeout);
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   for (const char* level : kLevels) {
     if (options->log_level == level) return true;

@@ -126,7 +126,8 @@ int main(int argc, char** argv) {
     runs = std::make_unique<nsad::server::RunManager>(
         options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
         nsad::server::DefaultConfigChecker(caps),
-        nsad::server::RunManagerOptions{options.allow_fault_injection});
+        nsad::server::RunManagerOptions{options.allow_fault_injection,
+                                        std::chrono::seconds(options.halt_timeout_seconds)});
   } catch (const std::exception& e) {
     spdlog::critical("cannot load the run records in {}: {}", options.state_dir, e.what());
     return 1;
@@ -159,7 +160,7 @@ int main(int argc, char** argv) {
   }
   spdlog::info("signal {}: halting runs and shutting down", signal_number);
   webhook.reset();
-  runs->Shutdown();     // HALTING every run; each stops after its current step
+  runs->Shutdown();     // HALTING every run; each stops after its current step (or --halt-timeout)
   runs->WaitForRuns();  // HALTED and persisted; watchers got their final event
   // Then drain gRPC briefly: open client connections hold a graceful shutdown until this.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -95,27 +95,42 @@ WorkerProcess::~WorkerProcess() {
   channel_.reset();
   CloseFd(to_worker_);  // EOF on its stdin: the worker finishes and exits
   CloseFd(from_worker_);
-  if (pid_ <= 0) return;
   const auto deadline = std::chrono::steady_clock::now() + kExitGrace;
   int status = 0;
-  while (::waitpid(pid_, &status, WNOHANG) == 0) {
+  while (!TryReap(&status)) {
     if (std::chrono::steady_clock::now() > deadline) {
+      std::lock_guard<std::mutex> lock(pid_mutex_);
       ::kill(pid_, SIGKILL);
       ::waitpid(pid_, &status, 0);
+      pid_ = -1;
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
 
+bool WorkerProcess::TryReap(int* status) {
+  std::lock_guard<std::mutex> lock(pid_mutex_);
+  if (pid_ <= 0) return true;
+  if (::waitpid(pid_, status, WNOHANG) == 0) return false;
+  pid_ = -1;
+  return true;
+}
+
 std::string WorkerProcess::DescribeExit() {
   int status = 0;
+  const pid_t pid = pid_;  // only this thread writes pid_
   // The pipe closed, so the worker is exiting or gone; give it a moment to be reaped.
-  for (int i = 0; i < 200 && ::waitpid(pid_, &status, WNOHANG) == 0; ++i) {
+  bool reaped = TryReap(&status);
+  for (int i = 0; i < 200 && !reaped; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    reaped = TryReap(&status);
   }
-  std::string what = "nsad-worker (pid " + std::to_string(pid_) + ") ";
-  if (WIFSIGNALED(status)) {
+  std::string what = "nsad-worker (pid " + std::to_string(pid) + ") ";
+  if (!reaped) {
+    what += "closed its pipe but did not exit; killed";
+    Kill();  // the destructor reaps it
+  } else if (WIFSIGNALED(status)) {
     what += "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" +
             strsignal(WTERMSIG(status)) + ")";
     // The token shards are memory-mapped: a shard truncated or replaced in place while a run
@@ -126,7 +141,6 @@ std::string WorkerProcess::DescribeExit() {
   } else {
     what += "stopped answering";
   }
-  pid_ = -1;
   return what + "; its log: " + log_path_;
 }
 
@@ -148,6 +162,7 @@ worker::Response WorkerProcess::Receive() {
 }
 
 void WorkerProcess::Kill() {
+  std::lock_guard<std::mutex> lock(pid_mutex_);
   if (pid_ > 0) ::kill(pid_, SIGKILL);
 }
 
@@ -228,6 +243,11 @@ class WorkerGroup {
     return Call(std::vector<worker::Request>(workers_.size(), request));
   }
 
+  // From another thread: a Call in flight then throws with the workers' exits.
+  void KillAll() {
+    for (auto& worker : workers_) worker->Kill();
+  }
+
  private:
   std::vector<std::unique_ptr<WorkerProcess>> workers_;
 };
@@ -287,6 +307,8 @@ class RemoteTrainer final : public Trainer {
     request.mutable_evaluate();
     return workers_.CallAll(request)[0].evaluated().loss();
   }
+
+  void Abort() override { workers_.KillAll(); }
 
   int64_t step() const override { return step_; }
   bool finished() const override { return step_ >= config_.max_steps; }

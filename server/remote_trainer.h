@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "nsa/v1/worker.pb.h"
@@ -31,13 +32,18 @@ class WorkerProcess {
   void Send(const nsa::worker::v1::Request& request);
   nsa::worker::v1::Response Receive();
   int readable() const { return from_worker_; }  // the fd to poll for the response
-  void Kill();  // SIGKILL; the destructor reaps it
-  pid_t pid() const { return pid_; }
+  // SIGKILL; the destructor reaps it. Safe from any thread (a halt that timed out): the
+  // process is signalled only while it has not been reaped, so never a recycled pid.
+  void Kill();
 
  private:
   std::string DescribeExit();
+  // Reaps the process if it has exited (waitpid WNOHANG) and then forgets its pid; true
+  // once it is reaped. *status gets its wait status.
+  bool TryReap(int* status);
 
   std::string log_path_;
+  std::mutex pid_mutex_;  // pid_ against Kill from another thread
   pid_t pid_ = -1;
   int to_worker_ = -1;
   int from_worker_ = -1;

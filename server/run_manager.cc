@@ -111,6 +111,9 @@ struct RunManager::Run {
   double data_seconds = 0.0;  // of the last step's step_seconds
   RecentThroughput recent;    // steps this daemon ran (a restart starts it afresh)
   std::thread thread;
+  Trainer* trainer = nullptr;  // while Execute holds one: WatchHalts may Abort it
+  std::chrono::steady_clock::time_point halting_since;  // when the run last became HALTING
+  bool aborted = false;  // WatchHalts ended the step in flight
 };
 
 RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
@@ -122,11 +125,39 @@ RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory f
       options_(options) {
   fs::create_directories(RunsDir());
   LoadPersistedRuns();
+  if (options_.halt_timeout.count() > 0) halt_watch_ = std::thread([this] { WatchHalts(); });
 }
 
 RunManager::~RunManager() {
   Shutdown();
-  WaitForRuns();
+  WaitForRuns();  // WatchHalts still ends steps that outlast the shutdown's halt
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    watch_ended_ = true;
+  }
+  watch_wake_.notify_all();
+  if (halt_watch_.joinable()) halt_watch_.join();
+}
+
+void RunManager::WatchHalts() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!watch_ended_) {
+    watch_wake_.wait_for(lock, std::chrono::seconds(1));
+    if (watch_ended_) break;
+    const auto runs = runs_;
+    lock.unlock();  // the runs are checked without holding up Start, List and the rest
+    const auto now = std::chrono::steady_clock::now();
+    for (const auto& [id, run] : runs) {
+      std::lock_guard<std::mutex> run_lock(run->mutex);
+      if (run->info.state() != nsa::v1::HALTING || run->trainer == nullptr || run->aborted) continue;
+      if (now - run->halting_since < options_.halt_timeout) continue;
+      spdlog::warn("run {}: its step has not ended {} s after the halt; killing its workers", id,
+                   options_.halt_timeout.count());
+      run->aborted = true;
+      run->trainer->Abort();
+    }
+    lock.lock();
+  }
 }
 
 void RunManager::WaitForRuns() {
@@ -315,7 +346,17 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     run->info.set_attention_backend(ToProto(trainer->attention_backend()));
     run->info.set_parameter_count(trainer->parameter_count());
     if (run->info.state() == nsa::v1::PENDING) Transition(*run, nsa::v1::RUNNING, "");
+    run->trainer = trainer.get();
+    run->aborted = false;
   }
+  // WatchHalts calls the trainer under run->mutex: it is unregistered before it goes.
+  struct Unregister {
+    Run& run;
+    ~Unregister() {
+      std::lock_guard<std::mutex> lock(run.mutex);
+      run.trainer = nullptr;
+    }
+  } unregister{*run};
   spdlog::info("run {}: {} parameters on {} (attention backend {})", id,
                trainer->parameter_count(), trainer->device(), backend);
 
@@ -343,8 +384,16 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       Transition(*run, nsa::v1::HALTED, e.what());
       break;
     } catch (const std::exception& e) {
-      spdlog::error("run {} failed: {}", id, e.what());
       std::lock_guard<std::mutex> lock(run->mutex);
+      if (run->aborted) {  // the halt's timeout killed the workers: halted, not failed
+        const std::string message = run->info.message() + "; its step had not ended " +
+                                    std::to_string(options_.halt_timeout.count()) +
+                                    " s after the halt, so its workers were killed";
+        spdlog::warn("run {} halted: {} ({})", id, message, e.what());
+        Transition(*run, nsa::v1::HALTED, message);
+        break;
+      }
+      spdlog::error("run {} failed: {}", id, e.what());
       Transition(*run, nsa::v1::FAILED, e.what());
       break;
     }
@@ -397,6 +446,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
 }
 
 void RunManager::Transition(Run& run, RunState state, const std::string& message) {
+  if (state == nsa::v1::HALTING) run.halting_since = std::chrono::steady_clock::now();
   run.info.set_state(state);
   run.info.set_message(message);
   run.info.set_updated_unix_ms(NowMs());

@@ -6,6 +6,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -32,6 +33,11 @@ using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>
 struct RunManagerOptions {
   // Lets configs use fault_injection (tests, drills); refused otherwise.
   bool allow_fault_injection = false;
+  // A halt (or the daemon's shutdown) takes effect between steps. A step still in flight this
+  // long after the halt (a hung collective, a stopped worker) is ended by killing the run's
+  // workers (Trainer::Abort); the run is HALTED and resumes from its last checkpoint.
+  // Zero: wait for the step however long it takes.
+  std::chrono::seconds halt_timeout{60};
 };
 
 class RunManager {
@@ -79,6 +85,9 @@ class RunManager {
   void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
   // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
   std::string CheckpointDirUser(const std::string& dir) const;
+  // Aborts the steps of runs that have been HALTING for options_.halt_timeout, once a
+  // second, until the manager is destroyed.
+  void WatchHalts();
 
   const std::string state_dir_;
   Metrics* metrics_;
@@ -86,10 +95,13 @@ class RunManager {
   ConfigChecker checker_;
   RunManagerOptions options_;
 
-  std::mutex mutex_;  // guards runs_, next_id_, shutting_down_
+  std::mutex mutex_;  // guards runs_, next_id_, shutting_down_, watch_ended_
   std::map<std::string, std::shared_ptr<Run>> runs_;
   int64_t next_id_ = 1;
   bool shutting_down_ = false;
+  bool watch_ended_ = false;
+  std::condition_variable watch_wake_;  // ends WatchHalts' wait early (destruction)
+  std::thread halt_watch_;              // WatchHalts, when halt_timeout > 0
 };
 
 }  // namespace nsad::server

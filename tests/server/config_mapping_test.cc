@@ -369,5 +369,21 @@ TEST(DaemonOptions, ParsesBothFlagFormsAndRejectsUnknownOnes) {
   EXPECT_FALSE(ParseDaemonOptions(3, const_cast<char**>(level), &options, &error));
 }
 
+TEST(DaemonOptions, HaltTimeoutIsWholeSecondsUpToADay) {
+  DaemonOptions options;
+  EXPECT_EQ(options.halt_timeout_seconds, 60);
+  std::string error;
+  for (const auto& [text, seconds] : {std::pair<const char*, int>{"0", 0}, {"2", 2}, {"86400", 86400}}) {
+    const char* argv[] = {"nsad", "--halt-timeout", text};
+    ASSERT_TRUE(ParseDaemonOptions(3, const_cast<char**>(argv), &options, &error)) << text << ": " << error;
+    EXPECT_EQ(options.halt_timeout_seconds, seconds);
+  }
+  for (const char* text : {"-1", "1.5", "86401", "99999999999", "soon"}) {
+    const char* argv[] = {"nsad", "--halt-timeout", text};
+    EXPECT_FALSE(ParseDaemonOptions(3, const_cast<char**>(argv), &options, &error)) << text;
+    EXPECT_NE(error.find("--halt-timeout must be a whole number of seconds"), std::string::npos) << error;
+  }
+}
+
 }  // namespace
 }  // namespace nsad::server

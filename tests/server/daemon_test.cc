@@ -858,6 +858,86 @@ TEST_F(DaemonTest, ACheckpointFolderWithOthersCheckpointsIsRefused) {
       << refused.error_message();
 }
 
+// A halt takes effect between steps. A step that never ends (a hung collective, a GPU that
+// stopped answering: a SIGSTOPped worker here) is ended --halt-timeout seconds after the
+// halt by killing the run's workers; the run is HALTED and resumes from its checkpoint.
+// Before, it stayed HALTING for as long as the step hung.
+class HungStepTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    DaemonTest::SetUp();
+    daemon_.reset();  // it holds the state dir's lock
+    daemon_ = std::make_unique<Daemon>(dir_ / "state", std::vector<std::string>{"--halt-timeout", "2"});
+  }
+  void TearDown() override {
+    // A worker the daemon under test did not kill must not stay stopped behind it.
+    if (stopped_ > 0 && ReadFile("/proc/" + std::to_string(stopped_) + "/comm") == "nsad-worker\n") {
+      ::kill(stopped_, SIGKILL);
+    }
+    DaemonTest::TearDown();
+  }
+  // Starts a checkpointing run and stops its worker once a checkpoint is written; returns
+  // the run as it stood then.
+  nsa::v1::RunInfo StartAndStopItsWorker() {
+    auto config = TinyConfig(shards_);
+    config.set_checkpoint_every(2);
+    config.set_checkpoint_dir((dir_ / "checkpoints").string());
+    nsa::v1::RunInfo run;
+    EXPECT_TRUE(Start(config, &run).ok());
+    EXPECT_TRUE(WaitFor([&] { return !Get(run.run_id()).progress().last_checkpoint().empty(); },
+                        std::chrono::seconds(120)));
+    const auto workers = daemon_->Children();
+    EXPECT_EQ(workers.size(), 1u);
+    if (workers.size() != 1) return run;
+    stopped_ = workers[0];
+    EXPECT_EQ(::kill(stopped_, SIGSTOP), 0);
+    // A reply already on its way is taken first; then the run's thread waits on a step that
+    // cannot end.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const auto stuck = Get(run.run_id());
+    EXPECT_FALSE(WaitForStep(run.run_id(), stuck.progress().step() + 1, 1)) << "a stopped worker stepped";
+    return stuck;
+  }
+  pid_t stopped_ = -1;
+};
+
+TEST_F(HungStepTest, AHaltEndsAStepThatOutlastsTheHaltTimeout) {
+  const auto run = StartAndStopItsWorker();
+  ASSERT_GT(stopped_, 0);
+  ASSERT_TRUE(Halt(run.run_id(), "drill").ok());
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 30))
+      << "still " << nsa::v1::RunState_Name(Get(run.run_id()).state());
+  const auto halted = Get(run.run_id());
+  EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
+            std::string::npos)
+      << halted.message();
+  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(10)))
+      << "the stopped worker is killed and reaped";
+
+  nsa::v1::RunInfo resumed;
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
+  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
+}
+
+// The daemon's shutdown halts its runs the same way: SIGTERM with a stopped worker ends the
+// daemon cleanly within the halt timeout (it waited until the test's 30 s SIGKILL before), and
+// the run's record says HALTED.
+TEST_F(HungStepTest, AShutdownEndsAStepThatOutlastsTheHaltTimeout) {
+  const auto run = StartAndStopItsWorker();
+  ASSERT_GT(stopped_, 0);
+  const auto asked = std::chrono::steady_clock::now();
+  EXPECT_EQ(daemon_->Stop(), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::seconds(20));
+
+  daemon_.reset();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state");
+  const auto after = Get(run.run_id());
+  EXPECT_EQ(after.state(), nsa::v1::HALTED) << nsa::v1::RunState_Name(after.state());
+  EXPECT_NE(after.message().find("daemon shutting down; its step had not ended 2 s after the halt"),
+            std::string::npos)
+      << after.message();
+}
+
 // A resume_from that cannot continue the new config's run (a checkpoint of another model,
 // or "latest" in a folder without checkpoints) is refused by StartRun, naming the field and
 // the difference; before, the run was created and its worker failed it.
