@@ -255,8 +255,10 @@ class WorkerGroup {
 class RemoteTrainer final : public Trainer {
  public:
   RemoteTrainer(const std::string& worker_binary, const std::string& run_dir,
-                const TrainConfig& config)
-      : config_(config), workers_(worker_binary, run_dir, config.world_size) {
+                const TrainConfig& config, AbortSlot* abort)
+      : config_(config),
+        workers_(worker_binary, run_dir, config.world_size),
+        abort_(abort ? abort->Register([this] { workers_.KillAll(); }) : nullptr) {
     std::vector<worker::Request> requests(workers_.size());
     const std::string rendezvous = run_dir + "/rendezvous";
     if (workers_.size() > 1) std::filesystem::remove(rendezvous);  // a stale one would mislead
@@ -308,8 +310,6 @@ class RemoteTrainer final : public Trainer {
     return workers_.CallAll(request)[0].evaluated().loss();
   }
 
-  void Abort() override { workers_.KillAll(); }
-
   int64_t step() const override { return step_; }
   bool finished() const override { return step_ >= config_.max_steps; }
   GateReport gates() const override { return gates_; }
@@ -321,6 +321,7 @@ class RemoteTrainer final : public Trainer {
  private:
   TrainConfig config_;
   WorkerGroup workers_;
+  std::unique_ptr<AbortSlot::Registration> abort_;  // after workers_: unregistered before they go
   std::string device_;  // every worker's, in rank order: "cuda:0,cuda:1"
   AttentionBackend backend_ = AttentionBackend::kReference;
   int64_t parameter_count_ = 0;
@@ -332,8 +333,8 @@ class RemoteTrainer final : public Trainer {
 
 std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
                                              const std::string& run_dir,
-                                             const TrainConfig& config) {
-  return std::make_unique<RemoteTrainer>(worker_binary, run_dir, config);
+                                             const TrainConfig& config, AbortSlot* abort) {
+  return std::make_unique<RemoteTrainer>(worker_binary, run_dir, config, abort);
 }
 
 }  // namespace nsad::server

@@ -111,9 +111,9 @@ struct RunManager::Run {
   double data_seconds = 0.0;  // of the last step's step_seconds
   RecentThroughput recent;    // steps this daemon ran (a restart starts it afresh)
   std::thread thread;
-  Trainer* trainer = nullptr;  // while Execute holds one: WatchHalts may Abort it
+  AbortSlot abort;  // the trainer's (from its workers' start): WatchHalts may end its work
   std::chrono::steady_clock::time_point halting_since;  // when the run last became HALTING
-  bool aborted = false;  // WatchHalts ended the step in flight
+  bool aborted = false;  // WatchHalts ended the work in flight
 };
 
 RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
@@ -149,12 +149,13 @@ void RunManager::WatchHalts() {
     const auto now = std::chrono::steady_clock::now();
     for (const auto& [id, run] : runs) {
       std::lock_guard<std::mutex> run_lock(run->mutex);
-      if (run->info.state() != nsa::v1::HALTING || run->trainer == nullptr || run->aborted) continue;
+      if (run->info.state() != nsa::v1::HALTING || run->aborted) continue;
       if (now - run->halting_since < options_.halt_timeout) continue;
-      spdlog::warn("run {}: its step has not ended {} s after the halt; killing its workers", id,
-                   options_.halt_timeout.count());
-      run->aborted = true;
-      run->trainer->Abort();
+      run->aborted = run->abort.Abort();
+      if (run->aborted) {
+        spdlog::warn("run {}: its work had not ended {} s after the halt; killed its workers", id,
+                     options_.halt_timeout.count());
+      }
     }
     lock.lock();
   }
@@ -325,18 +326,34 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   return grpc::Status::OK;
 }
 
+void RunManager::HaltAborted(Run& run, const std::string& what_hung, const std::string& error) {
+  const std::string message = run.info.message() + "; " + what_hung + " " +
+                              std::to_string(options_.halt_timeout.count()) +
+                              " s after the halt, so its workers were killed";
+  spdlog::warn("run {} halted: {} ({})", run.info.run_id(), message, error);
+  Transition(run, nsa::v1::HALTED, message);
+}
+
 void RunManager::Execute(const std::shared_ptr<Run>& run) {
   const std::string id = run->info.run_id();
+  {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    run->aborted = false;
+  }
   std::unique_ptr<Trainer> trainer;
   try {
-    trainer = factory_(RunDir(id).string(), run->config);
+    trainer = factory_(RunDir(id).string(), run->config, &run->abort);
   } catch (const ConfigError& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
     Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());
     return;
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
-    Transition(*run, nsa::v1::FAILED, std::string("could not build the trainer: ") + e.what());
+    if (run->aborted) {
+      HaltAborted(*run, "its trainer had not started", e.what());
+    } else {
+      Transition(*run, nsa::v1::FAILED, std::string("could not build the trainer: ") + e.what());
+    }
     return;
   }
   const std::string backend = ToString(trainer->attention_backend());
@@ -346,17 +363,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     run->info.set_attention_backend(ToProto(trainer->attention_backend()));
     run->info.set_parameter_count(trainer->parameter_count());
     if (run->info.state() == nsa::v1::PENDING) Transition(*run, nsa::v1::RUNNING, "");
-    run->trainer = trainer.get();
-    run->aborted = false;
   }
-  // WatchHalts calls the trainer under run->mutex: it is unregistered before it goes.
-  struct Unregister {
-    Run& run;
-    ~Unregister() {
-      std::lock_guard<std::mutex> lock(run.mutex);
-      run.trainer = nullptr;
-    }
-  } unregister{*run};
   spdlog::info("run {}: {} parameters on {} (attention backend {})", id,
                trainer->parameter_count(), trainer->device(), backend);
 
@@ -386,11 +393,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(run->mutex);
       if (run->aborted) {  // the halt's timeout killed the workers: halted, not failed
-        const std::string message = run->info.message() + "; its step had not ended " +
-                                    std::to_string(options_.halt_timeout.count()) +
-                                    " s after the halt, so its workers were killed";
-        spdlog::warn("run {} halted: {} ({})", id, message, e.what());
-        Transition(*run, nsa::v1::HALTED, message);
+        HaltAborted(*run, "its step had not ended", e.what());
         break;
       }
       spdlog::error("run {} failed: {}", id, e.what());

@@ -17,15 +17,18 @@
 #include <filesystem>
 #include <thread>
 
+#include "abort_slot.h"
 #include "metrics.h"
 #include "nsa/v1/trainer.pb.h"
 #include "nsad/engine.h"
 
 namespace nsad::server {
 
-// Builds a run's trainer; run_dir is the run's folder in the state dir (for its logs).
-using TrainerFactory =
-    std::function<std::unique_ptr<Trainer>(const std::string& run_dir, const TrainConfig&)>;
+// Builds a run's trainer; run_dir is the run's folder in the state dir (for its logs). From
+// when its building can hang (its workers started) until the trainer goes, it registers in
+// `abort` how to end that work from another thread (the halt timeout).
+using TrainerFactory = std::function<std::unique_ptr<Trainer>(const std::string& run_dir, const TrainConfig&,
+                                                               AbortSlot* abort)>;
 // Checks a config beyond ValidateConfig (e.g. the shards' contents) before a run is
 // created; returns field errors. Empty by default.
 using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>;
@@ -33,10 +36,11 @@ using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>
 struct RunManagerOptions {
   // Lets configs use fault_injection (tests, drills); refused otherwise.
   bool allow_fault_injection = false;
-  // A halt (or the daemon's shutdown) takes effect between steps. A step still in flight this
-  // long after the halt (a hung collective, a stopped worker) is ended by killing the run's
-  // workers (Trainer::Abort); the run is HALTED and resumes from its last checkpoint.
-  // Zero: wait for the step however long it takes.
+  // A halt (or the daemon's shutdown) takes effect between steps. A step, or the workers'
+  // start, still in flight this long after the halt (a hung collective, a stopped worker, a GPU
+  // that hangs at initialisation) is ended by killing the run's workers (the AbortSlot the
+  // trainer registered in); the run is HALTED and resumes from its last checkpoint.
+  // Zero: wait for it however long it takes.
   std::chrono::seconds halt_timeout{60};
 };
 
@@ -80,13 +84,16 @@ class RunManager {
   grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
+  // A HALTING run whose work WatchHalts ended (what_hung: what had not ended): HALTED, the
+  // halt's reason and what was killed in its message. Caller holds run.mutex.
+  void HaltAborted(Run& run, const std::string& what_hung, const std::string& error);
   void Publish(Run& run);
   void Persist(const Run& run);       // throws when the record cannot be written
   void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
   // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
   std::string CheckpointDirUser(const std::string& dir) const;
-  // Aborts the steps of runs that have been HALTING for options_.halt_timeout, once a
-  // second, until the manager is destroyed.
+  // Aborts the work in flight of runs that have been HALTING for options_.halt_timeout, once
+  // a second, until the manager is destroyed.
   void WatchHalts();
 
   const std::string state_dir_;

@@ -27,8 +27,8 @@ ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps) {
 }
 
 TrainerFactory WorkerTrainerFactory(const std::string& worker_binary) {
-  return [worker_binary](const std::string& run_dir, const TrainConfig& config) {
-    return CreateRemoteTrainer(worker_binary, run_dir, config);
+  return [worker_binary](const std::string& run_dir, const TrainConfig& config, AbortSlot* abort) {
+    return CreateRemoteTrainer(worker_binary, run_dir, config, abort);
   };
 }
 

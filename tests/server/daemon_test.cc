@@ -938,6 +938,34 @@ TEST_F(HungStepTest, AShutdownEndsAStepThatOutlastsTheHaltTimeout) {
       << after.message();
 }
 
+// Workers that never finish starting (a GPU that hangs at initialisation; here a worker
+// binary that answers nsad's probe, then never again) are killed --halt-timeout seconds after
+// a halt as well. Before, such a run stayed HALTING, and a shutdown waited for it.
+TEST_F(HungStepTest, AHaltEndsAWorkerStartThatHangs) {
+  const fs::path worker = dir_ / "hanging-worker";
+  const fs::path real = fs::path(NSAD_BINARY).parent_path() / "nsad-worker";
+  std::ofstream(worker.string()) << "#!/bin/sh\n"
+                                 << "# nsad's probe gets the real worker; a run's worker never answers.\n"
+                                 << "if [ -e \"$0.probed\" ]; then exec sleep 300; fi\n"
+                                 << ": > \"$0.probed\"\n"
+                                 << "exec " << real.string() << "\n";
+  fs::permissions(worker, fs::perms::owner_all);
+  daemon_.reset();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state",
+                                     std::vector<std::string>{"--halt-timeout", "2", "--worker", worker.string()});
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
+  EXPECT_FALSE(WaitForState(run.run_id(), nsa::v1::RUNNING, 1)) << "the worker cannot have started";
+  ASSERT_TRUE(Halt(run.run_id(), "drill").ok());
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 30))
+      << "still " << nsa::v1::RunState_Name(Get(run.run_id()).state());
+  const auto halted = Get(run.run_id());
+  EXPECT_NE(halted.message().find("drill; its trainer had not started 2 s after the halt, so its workers were killed"),
+            std::string::npos)
+      << halted.message();
+  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(10)));
+}
+
 // A resume_from that cannot continue the new config's run (a checkpoint of another model,
 // or "latest" in a folder without checkpoints) is refused by StartRun, naming the field and
 // the difference; before, the run was created and its worker failed it.

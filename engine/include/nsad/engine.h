@@ -96,10 +96,6 @@ class Trainer {
   virtual StepMetrics Step() = 0;
   // Mean loss over eval_batches validation batches, without touching the weights.
   virtual double Evaluate() = 0;
-  // From another thread: ends a Step or Evaluate in flight, which then throws, where the
-  // trainer can (the daemon's trainers in worker processes kill the workers; the trainer is
-  // of no use afterwards). An in-process trainer cannot: it does nothing.
-  virtual void Abort() {}
 
   virtual int64_t step() const = 0;
   virtual bool finished() const = 0;  // step() >= max_steps
