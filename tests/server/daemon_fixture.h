@@ -101,7 +101,20 @@ class Daemon {
       throw std::runtime_error("cannot start " + std::string(NSAD_BINARY));
     }
     const fs::path endpoints = state_dir_ / "endpoints.json";
-    if (!WaitFor([&] { return fs::exists(endpoints); }, std::chrono::seconds(60))) {
+    // A daemon that exits at startup (a bad flag, a state dir in use) fails the test at once
+    // with its exit status, instead of after the whole wait.
+    int status = 0;
+    bool exited = false;
+    WaitFor([&] { return fs::exists(endpoints) || (exited = ::waitpid(pid_, &status, WNOHANG) == pid_); },
+            std::chrono::seconds(60));
+    if (exited) {
+      pid_ = -1;
+      throw std::runtime_error("nsad exited at startup (" +
+                               (WIFEXITED(status) ? "status " + std::to_string(WEXITSTATUS(status))
+                                                  : "signal " + std::to_string(WTERMSIG(status))) +
+                               "); its log is on stderr above");
+    }
+    if (!fs::exists(endpoints)) {
       Stop();
       throw std::runtime_error("nsad did not write endpoints.json within 60 s");
     }
