@@ -121,6 +121,18 @@ class DaemonTest : public ::testing::Test {
   bool WaitForStep(const std::string& id, int64_t step, int seconds = 120) {
     return WaitFor([&] { return Get(id).progress().step() >= step; }, std::chrono::seconds(seconds));
   }
+  // A tiny run checkpointing into dir_/checkpoints every 2 steps, once its first checkpoint
+  // is recorded.
+  nsa::v1::RunInfo StartCheckpointingRun() {
+    auto config = TinyConfig(shards_);
+    config.set_checkpoint_every(2);
+    config.set_checkpoint_dir((dir_ / "checkpoints").string());
+    nsa::v1::RunInfo run;
+    EXPECT_TRUE(Start(config, &run).ok());
+    EXPECT_TRUE(WaitFor([&] { return !Get(run.run_id()).progress().last_checkpoint().empty(); },
+                        std::chrono::seconds(120)));
+    return run;
+  }
   // The run once it has ended (halted, completed or failed), or as it stands after `seconds`.
   nsa::v1::RunInfo Ended(const std::string& id, int seconds = 300) {
     WaitFor([&] { return Get(id).state() >= nsa::v1::HALTED; }, std::chrono::seconds(seconds));
@@ -879,13 +891,7 @@ class HungStepTest : public DaemonTest {
   // Starts a checkpointing run and stops its worker once a checkpoint is written; returns
   // the run as it stood then.
   nsa::v1::RunInfo StartAndStopItsWorker() {
-    auto config = TinyConfig(shards_);
-    config.set_checkpoint_every(2);
-    config.set_checkpoint_dir((dir_ / "checkpoints").string());
-    nsa::v1::RunInfo run;
-    EXPECT_TRUE(Start(config, &run).ok());
-    EXPECT_TRUE(WaitFor([&] { return !Get(run.run_id()).progress().last_checkpoint().empty(); },
-                        std::chrono::seconds(120)));
+    const auto run = StartCheckpointingRun();
     const auto workers = daemon_->Children();
     EXPECT_EQ(workers.size(), 1u);
     if (workers.size() != 1) return run;
@@ -898,21 +904,24 @@ class HungStepTest : public DaemonTest {
     EXPECT_FALSE(WaitForStep(run.run_id(), stuck.progress().step() + 1, 1)) << "a stopped worker stepped";
     return stuck;
   }
+  // Halts the run ("drill") and waits for it to be HALTED with its workers gone; the run then.
+  nsa::v1::RunInfo HaltDrill(const std::string& id) {
+    EXPECT_TRUE(Halt(id, "drill").ok());
+    EXPECT_TRUE(WaitForState(id, nsa::v1::HALTED, 30)) << "still " << nsa::v1::RunState_Name(Get(id).state());
+    EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(10)))
+        << "the hung worker is killed and reaped";
+    return Get(id);
+  }
   pid_t stopped_ = -1;
 };
 
 TEST_F(HungStepTest, AHaltEndsAStepThatOutlastsTheHaltTimeout) {
   const auto run = StartAndStopItsWorker();
   ASSERT_GT(stopped_, 0);
-  ASSERT_TRUE(Halt(run.run_id(), "drill").ok());
-  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 30))
-      << "still " << nsa::v1::RunState_Name(Get(run.run_id()).state());
-  const auto halted = Get(run.run_id());
+  const auto halted = HaltDrill(run.run_id());
   EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
             std::string::npos)
       << halted.message();
-  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(10)))
-      << "the stopped worker is killed and reaped";
 
   nsa::v1::RunInfo resumed;
   ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
@@ -956,27 +965,18 @@ TEST_F(HungStepTest, AHaltEndsAWorkerStartThatHangs) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(TinyConfig(shards_), &run).ok());
   EXPECT_FALSE(WaitForState(run.run_id(), nsa::v1::RUNNING, 1)) << "the worker cannot have started";
-  ASSERT_TRUE(Halt(run.run_id(), "drill").ok());
-  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 30))
-      << "still " << nsa::v1::RunState_Name(Get(run.run_id()).state());
-  const auto halted = Get(run.run_id());
+  const auto halted = HaltDrill(run.run_id());
   EXPECT_NE(halted.message().find("drill; its trainer had not started 2 s after the halt, so its workers were killed"),
             std::string::npos)
       << halted.message();
-  EXPECT_TRUE(WaitFor([&] { return daemon_->Children().empty(); }, std::chrono::seconds(10)));
 }
 
 // A resume_from that cannot continue the new config's run (a checkpoint of another model,
 // or "latest" in a folder without checkpoints) is refused by StartRun, naming the field and
 // the difference; before, the run was created and its worker failed it.
 TEST_F(DaemonTest, AResumeFromAnotherModelsCheckpointIsRefusedBeforeARunExists) {
-  auto config = TinyConfig(shards_);
-  config.set_checkpoint_every(2);
-  config.set_checkpoint_dir((dir_ / "checkpoints").string());
-  nsa::v1::RunInfo first;
-  ASSERT_TRUE(Start(config, &first).ok());
-  ASSERT_TRUE(WaitFor([&] { return !Get(first.run_id()).progress().last_checkpoint().empty(); },
-                      std::chrono::seconds(120)));
+  const auto first = StartCheckpointingRun();
+  ASSERT_FALSE(Get(first.run_id()).progress().last_checkpoint().empty());
   ASSERT_TRUE(Halt(first.run_id(), "").ok());
   ASSERT_TRUE(WaitForState(first.run_id(), nsa::v1::HALTED, 60));
 
