@@ -35,9 +35,16 @@ constexpr CommandSpec kCommands[] = {
      "                      repeat the option, list several, or separate them with commas\n",
      false},
     {Command::kPause, "pause", "pause RUN_ID", "pause a running run (it keeps its state)", "", true},
-    {Command::kResume, "resume", "resume RUN_ID", "resume a paused run", "", true},
-    {Command::kHalt, "halt", "halt RUN_ID [--reason TEXT]", "stop a run for good",
-     "  --reason TEXT       recorded in the run's message\n", true},
+    {Command::kResume, "resume", "resume RUN_ID", "resume a paused run, or a halted/failed one",
+     "  A PAUSED run goes on where it is; a HALTED or FAILED run restarts from its last\n"
+     "  checkpoint, exactly where that checkpoint left off.\n",
+     true},
+    {Command::kHalt, "halt", "halt RUN_ID [--reason TEXT]", "stop a run after its current step",
+     "  --reason TEXT       recorded in the run's message\n"
+     "  The run is HALTING until its step ends (a step still running nsad's --halt-timeout\n"
+     "  later is ended by killing its workers), then HALTED; `nsactl resume` continues it\n"
+     "  from its last checkpoint.\n",
+     true},
     {Command::kGates, "gates", "gates RUN_ID", "per-layer NSA branch gate statistics", "", true},
     {Command::kThroughput, "throughput", "throughput RUN_ID", "tokens per second and step time",
      "", true},
