@@ -303,8 +303,10 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   run->info.mutable_progress()->set_max_steps(config.max_steps);
   run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
   run->info.set_state(nsa::v1::PENDING);
+  run->info.set_updated_unix_ms(NowMs());
   // The record is on disk before the run exists: a state dir that cannot take it refuses the
-  // run instead of leaving one that no restart would know.
+  // run instead of leaving one that no restart would know. (Written once: Transition would
+  // write it again, and only log a failure.)
   try {
     fs::create_directories(RunDir(id));
     Persist(*run);
@@ -317,7 +319,7 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   runs_[id] = run;
   {
     std::lock_guard<std::mutex> lock(run->mutex);
-    Transition(*run, nsa::v1::PENDING, "");
+    Announce(*run);
     *out = run->info;
   }
   spdlog::info("run {} started: {}", out->run_id(), config.name);
@@ -453,8 +455,12 @@ void RunManager::Transition(Run& run, RunState state, const std::string& message
   run.info.set_state(state);
   run.info.set_message(message);
   run.info.set_updated_unix_ms(NowMs());
-  metrics_->SetState(run.info.run_id(), state);
   PersistOrLog(run);
+  Announce(run);
+}
+
+void RunManager::Announce(Run& run) {
+  metrics_->SetState(run.info.run_id(), run.info.state());
   Publish(run);
 }
 

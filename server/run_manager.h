@@ -87,6 +87,8 @@ class RunManager {
   // A HALTING run whose work WatchHalts ended (what_hung: what had not ended): HALTED, the
   // halt's reason and what was killed in its message. Caller holds run.mutex.
   void HaltAborted(Run& run, const std::string& what_hung, const std::string& error);
+  // The run's state to /metrics and its watchers (Publish). Caller holds run.mutex.
+  void Announce(Run& run);
   void Publish(Run& run);
   void Persist(const Run& run);       // throws when the record cannot be written
   void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
