@@ -8,7 +8,7 @@ torch_re='#include *[<"](torch/|ATen/|c10/|nsa_cuda\.h|model/|nsa/(ops|attention
 proto_re='#include *[<"](google/protobuf|grpc|grpcpp|spdlog|fmt/|prometheus/|nsa/v1/)'
 # The trainer/ headers of nsa_engine_core (engine/CMakeLists.txt), which builds without torch's
 # include folder, so they cannot bring torch: server code may include them.
-core_re='#include *"trainer/(config_text|checkpoint_store)\.h"'
+core_re='#include *"trainer/(config_text|checkpoint_store|resume_target)\.h"'
 bad=0
 while IFS= read -r f; do
   # Follow project-local includes one level: a header that brings torch counts as torch.
