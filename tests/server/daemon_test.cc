@@ -712,7 +712,7 @@ TEST_F(DaemonTest, AKilledDaemonsRunResumesFromItsLastCheckpoint) {
   nsa::v1::RunInfo run;
   ASSERT_TRUE(Start(config, &run).ok());
   const std::string id = run.run_id();
-  ASSERT_TRUE(WaitFor([&] { return Get(id).progress().step() >= 7; }, std::chrono::seconds(120)));
+  ASSERT_TRUE(WaitForStep(id, 7));
   daemon_->Kill();
 
   daemon_ = std::make_unique<Daemon>(dir_ / "state");
