@@ -119,8 +119,15 @@ int main(int argc, char** argv) {
     spdlog::critical("cannot run {}: {}", worker, e.what());
     return 1;
   }
-  spdlog::info("workers: {} CUDA device(s), NSA CUDA kernels {}", caps.cuda_devices,
-               caps.cuda_kernels ? "available" : "unavailable");
+  constexpr double kGib = 1024.0 * 1024.0 * 1024.0;
+  std::string gpu_memory;  // " (139.8, 139.8 GiB)": what StartRun holds a model's training state to
+  for (const int64_t bytes : caps.cuda_memory_bytes) {
+    gpu_memory += fmt::format("{}{:.1f}", gpu_memory.empty() ? " (" : ", ", static_cast<double>(bytes) / kGib);
+  }
+  if (!gpu_memory.empty()) gpu_memory += " GiB)";
+  spdlog::info("workers: {} CUDA device(s){}, NSA CUDA kernels {}, host memory {:.1f} GiB", caps.cuda_devices,
+               gpu_memory, caps.cuda_kernels ? "available" : "unavailable",
+               static_cast<double>(caps.host_memory_bytes) / kGib);
   std::unique_ptr<nsad::server::RunManager> runs;
   try {
     runs = std::make_unique<nsad::server::RunManager>(

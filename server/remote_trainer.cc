@@ -176,6 +176,9 @@ RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::str
   caps.cuda_devices = response.capabilities().cuda_devices();
   caps.cuda_kernels = response.capabilities().cuda_kernels();
   caps.nccl = response.capabilities().nccl();
+  const auto& memory = response.capabilities().cuda_memory_bytes();
+  caps.cuda_memory_bytes.assign(memory.begin(), memory.end());
+  caps.host_memory_bytes = response.capabilities().host_memory_bytes();
   return caps;
 }
 

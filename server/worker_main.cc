@@ -50,9 +50,12 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
     switch (request.kind_case()) {
       case worker::Request::kProbe: {
         const auto caps = nsad::ProbeRuntime();
-        response.mutable_capabilities()->set_cuda_devices(caps.cuda_devices);
-        response.mutable_capabilities()->set_cuda_kernels(caps.cuda_kernels);
-        response.mutable_capabilities()->set_nccl(caps.nccl);
+        auto* reply = response.mutable_capabilities();
+        reply->set_cuda_devices(caps.cuda_devices);
+        reply->set_cuda_kernels(caps.cuda_kernels);
+        reply->set_nccl(caps.nccl);
+        for (const int64_t bytes : caps.cuda_memory_bytes) reply->add_cuda_memory_bytes(bytes);
+        reply->set_host_memory_bytes(caps.host_memory_bytes);
         break;
       }
       case worker::Request::kCreate: {

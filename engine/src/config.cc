@@ -3,7 +3,10 @@
 #include <glob.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 #include <sstream>
 
 #include "nsa/kernel_limits.h"
@@ -14,9 +17,30 @@ namespace nsad {
 
 int EffectiveMlpHidden(const ModelConfig& model) {
   if (model.mlp_hidden > 0) return model.mlp_hidden;
-  const int raw = (8 * model.dim + 2) / 3;
-  return (raw + 63) / 64 * 64;
+  // In 64 bits: a dim above 2^28 (which the memory check refuses) must not overflow here.
+  const int64_t raw = (8 * int64_t{model.dim} + 2) / 3;
+  return static_cast<int>(std::min<int64_t>((raw + 63) / 64 * 64, std::numeric_limits<int>::max()));
 }
+
+int64_t CompressionHidden(const ModelConfig& model) { return 2 * int64_t{model.head_dim}; }
+
+int64_t GateHidden(const ModelConfig& model) { return std::max<int64_t>(1, int64_t{model.dim} / 4); }
+
+double ParameterCount(const ModelConfig& m) {
+  const double dim = m.dim, H = m.n_heads, G = m.n_kv_groups, D = m.head_dim, l = m.nsa.cmp_block;
+  const double F = EffectiveMlpHidden(m), cmp = static_cast<double>(CompressionHidden(m)),
+               gate = static_cast<double>(GateHidden(m));
+  const double attention = dim * H * D                                  // q
+                           + dim * 6 * G * D                            // k, v of the three branches
+                           + H * D * dim                                // output projection
+                           + 2 * l * D                                  // intra-block positions (k, v)
+                           + 2 * (l * D * cmp + cmp + cmp * D + D)      // compression MLPs (k, v)
+                           + dim * gate + gate + gate * 3 * H + 3 * H;  // gate MLP
+  const double block = 2 * dim + attention + 3 * dim * F;  // two RMSNorms, attention, SwiGLU
+  return static_cast<double>(m.vocab_size) * dim + m.n_layers * block + dim;
+}
+
+double TrainingStateBytes(const ModelConfig& model) { return 16.0 * ParameterCount(model); }
 
 ModelConfig M7cModelConfig() {
   ModelConfig c;
@@ -318,6 +342,43 @@ std::vector<FieldError> CudaKernelShapeErrors(const ModelConfig& m) {
   return errors;
 }
 
+std::string Gib(double bytes) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.1f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return text;
+}
+
+// The run's training state against the memory of each device it goes on (every worker of a
+// data-parallel run holds all of it): refused here, by name, rather than failing the run with
+// an allocator's message, or on the CPU swapping the host until the kernel kills something.
+void CheckTrainingStateFits(const TrainConfig& config, const RuntimeCapabilities& caps, const std::string& device,
+                            std::vector<FieldError>& errors) {
+  std::string where;
+  int64_t have = 0;
+  if (device == "cpu") {
+    where = "the host's";
+    have = caps.host_memory_bytes;
+  } else {
+    const int first = std::stoi(device.substr(5)), last = first + config.world_size - 1;
+    for (int i = first; i <= last && i < static_cast<int>(caps.cuda_memory_bytes.size()); ++i) {
+      if (have == 0 || caps.cuda_memory_bytes[i] < have) {
+        have = caps.cuda_memory_bytes[i];
+        where = "cuda:" + std::to_string(i) + "'s";
+      }
+    }
+  }
+  const double need = TrainingStateBytes(config.model);
+  if (have <= 0 || need <= static_cast<double>(have)) return;
+  const ModelConfig& m = config.model;
+  char count[32];
+  std::snprintf(count, sizeof count, "%.4g", ParameterCount(m));
+  errors.push_back({"model", std::string(count) + " parameters need " + Gib(need) +
+                                 " for their float32 weights, gradients and AdamW moments alone, more than " + where +
+                                 " " + Gib(static_cast<double>(have)) + " (model.vocab_size " +
+                                 std::to_string(m.vocab_size) + ", model.dim " + std::to_string(m.dim) +
+                                 ", model.n_layers " + std::to_string(m.n_layers) + ")"});
+}
+
 }  // namespace
 
 RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& caps) {
@@ -382,6 +443,7 @@ RuntimePlan PlanRuntime(const TrainConfig& config, const RuntimeCapabilities& ca
                                               ToString(plan.backend) +
                                           " backend on " + plan.device});
   }
+  CheckTrainingStateFits(config, caps, plan.device, plan.errors);
   return plan;
 }
 

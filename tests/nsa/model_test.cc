@@ -50,8 +50,30 @@ TEST(NsaTransformer, M7c125mParameterCount) {
   const int64_t actual = CountParameters(*model);
   std::cout << "m7c_125m parameters: " << actual << "\n";
   EXPECT_EQ(actual, DocumentedParameterCount(config));
+  EXPECT_EQ(static_cast<double>(actual), ParameterCount(config)) << "the count StartRun sizes runs with";
   EXPECT_GT(actual, 120'000'000);
   EXPECT_LT(actual, 130'000'000);
+}
+
+// ParameterCount (what StartRun holds against the device's memory, torch-free) against the
+// modules for other shapes: another head_dim and geometry, an explicit MLP width, a dim
+// whose gate width rounds down.
+TEST(NsaTransformer, ParameterCountMatchesTheModulesForOtherShapes) {
+  ModelConfig wide = M7cModelConfig();
+  wide.vocab_size = 1000;
+  wide.n_layers = 2;
+  wide.head_dim = 128;
+  wide.n_heads = 16;
+  wide.n_kv_groups = 4;
+  wide.nsa.cmp_block = 16;
+  ModelConfig odd;
+  odd.dim = 38;
+  odd.mlp_hidden = 100;
+  odd.n_layers = 3;
+  for (const ModelConfig& config : {wide, odd, ModelConfig()}) {
+    NsaTransformer model(config, AttentionBackend::kReference);
+    EXPECT_EQ(static_cast<double>(CountParameters(*model)), ParameterCount(config)) << "dim " << config.dim;
+  }
 }
 
 constexpr int64_t kLengths[] = {1, 31, 32, 33, 63, 64, 65, 127, 511, 512, 513, 1000, 2048};

@@ -265,6 +265,50 @@ TEST(RuntimePlan, AutoPicksWhatTheMachineOffersAndExplicitRequestsAreChecked) {
   EXPECT_EQ(plan.backend, AttentionBackend::kReference) << "reference runs anywhere";
 }
 
+// A model's float32 weights, gradients and AdamW moments (16 bytes a parameter) must fit the
+// memory of each device the run goes on: the GPU it names, every GPU of a data-parallel run
+// (each holds a replica), the host for the CPU. Unprobed memory checks nothing.
+TEST(RuntimePlan, TheTrainingStateMustFitEachOfTheRunsDevices) {
+  TrainConfig config = M7cTrainConfig();  // 125 M parameters: 1.9 GiB of state
+  config.cuda_graphs = false;
+  const double need = TrainingStateBytes(config.model);
+  EXPECT_EQ(need, 16 * ParameterCount(config.model));
+  const auto gib = [](double g) { return static_cast<int64_t>(g * 1024 * 1024 * 1024); };
+  RuntimeCapabilities caps{2, true, true};
+  caps.cuda_memory_bytes = {gib(80), gib(1.5)};
+  caps.host_memory_bytes = gib(1);
+
+  EXPECT_TRUE(PlanRuntime(config, caps).errors.empty()) << "auto: cuda:0, 80 GiB";
+  config.device = "cuda:1";
+  auto plan = PlanRuntime(config, caps);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_EQ(plan.errors[0].field, "model");
+  EXPECT_NE(plan.errors[0].message.find("1.9 GiB for their float32 weights, gradients and AdamW moments alone, "
+                                        "more than cuda:1's 1.5 GiB (model.vocab_size 50304, model.dim 768, "
+                                        "model.n_layers 12)"),
+            std::string::npos)
+      << plan.errors[0].message;
+  config.device = "auto";
+  config.world_size = 2;  // cuda:0 and cuda:1, each with all of it
+  plan = PlanRuntime(config, caps);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_NE(plan.errors[0].message.find("cuda:1's"), std::string::npos) << plan.errors[0].message;
+  config.world_size = 1;
+  config.device = "cpu";
+  config.attention_backend = AttentionBackend::kReference;
+  plan = PlanRuntime(config, caps);
+  ASSERT_EQ(plan.errors.size(), 1u);
+  EXPECT_NE(plan.errors[0].message.find("the host's 1.0 GiB"), std::string::npos) << plan.errors[0].message;
+  caps.host_memory_bytes = static_cast<int64_t>(need);  // exactly enough
+  EXPECT_TRUE(PlanRuntime(config, caps).errors.empty());
+
+  const RuntimeCapabilities unprobed{1, true, true};
+  config.model.n_layers = 1000000;
+  EXPECT_TRUE(PlanRuntime(config, unprobed).errors.empty());
+  config.device = "cuda:0";
+  EXPECT_TRUE(PlanRuntime(config, unprobed).errors.empty());
+}
+
 // cuda_graphs: strict JSON, shown in the effective config, and refused at StartRun (by
 // name) unless the run gets a CUDA device and the CUDA attention backend.
 TEST(RuntimePlan, CudaGraphsNeedTheCudaBackend) {

@@ -123,12 +123,21 @@ class DaemonTest : public ::testing::Test {
   }
   // A tiny run checkpointing into dir_/checkpoints every 2 steps, once its first checkpoint
   // is recorded.
-  nsa::v1::RunInfo StartCheckpointingRun() {
+  // world_size > 1: data parallel on the GPUs (reference backend); a start this machine
+  // refuses (fewer GPUs) returns a run without an id, for the caller to skip.
+  nsa::v1::RunInfo StartCheckpointingRun(int world_size = 1) {
     auto config = TinyConfig(shards_);
     config.set_checkpoint_every(2);
     config.set_checkpoint_dir((dir_ / "checkpoints").string());
+    if (world_size > 1) {
+      config.set_device("auto");
+      config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
+      config.set_world_size(world_size);
+    }
     nsa::v1::RunInfo run;
-    EXPECT_TRUE(Start(config, &run).ok());
+    const auto status = Start(config, &run);
+    if (world_size > 1 && !status.ok()) return {};
+    EXPECT_TRUE(status.ok()) << status.error_message();
     EXPECT_TRUE(WaitFor([&] { return !Get(run.run_id()).progress().last_checkpoint().empty(); },
                         std::chrono::seconds(120)));
     return run;
@@ -888,14 +897,16 @@ class HungStepTest : public DaemonTest {
     }
     DaemonTest::TearDown();
   }
-  // Starts a checkpointing run and stops its worker once a checkpoint is written; returns
-  // the run as it stood then.
-  nsa::v1::RunInfo StartAndStopItsWorker() {
-    const auto run = StartCheckpointingRun();
+  // Starts a checkpointing run and stops one of its workers once a checkpoint is written
+  // (with two, the other then waits in its all-reduce); returns the run as it stood then, or
+  // a run without an id when the machine refused it.
+  nsa::v1::RunInfo StartAndStopItsWorker(int world_size = 1) {
+    const auto run = StartCheckpointingRun(world_size);
+    if (run.run_id().empty()) return run;
     const auto workers = daemon_->Children();
-    EXPECT_EQ(workers.size(), 1u);
-    if (workers.size() != 1) return run;
-    stopped_ = workers[0];
+    EXPECT_EQ(workers.size(), static_cast<size_t>(world_size));
+    if (workers.size() != static_cast<size_t>(world_size)) return run;
+    stopped_ = workers.back();
     EXPECT_EQ(::kill(stopped_, SIGSTOP), 0);
     // A reply already on its way is taken first; then the run's thread waits on a step that
     // cannot end.
@@ -926,6 +937,24 @@ TEST_F(HungStepTest, AHaltEndsAStepThatOutlastsTheHaltTimeout) {
   nsa::v1::RunInfo resumed;
   ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
   EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
+}
+
+// The hung collective itself: one worker of a data-parallel run stops, the other waits for
+// it in its all-reduce. A halt kills both after the timeout; the run resumes on two workers.
+TEST_F(HungStepTest, AHaltEndsADataParallelStepHungInItsAllReduce) {
+  const auto run = StartAndStopItsWorker(2);
+  if (run.run_id().empty()) GTEST_SKIP() << "needs two CUDA devices";
+  ASSERT_GT(stopped_, 0);
+  const auto halted = HaltDrill(run.run_id());
+  EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
+            std::string::npos)
+      << halted.message();
+
+  nsa::v1::RunInfo resumed;
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
+  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
+  EXPECT_EQ(daemon_->Children().size(), 2u);
+  EXPECT_EQ(Get(run.run_id()).device(), "cuda:0,cuda:1");
 }
 
 // The daemon's shutdown halts its runs the same way: SIGTERM with a stopped worker ends the
@@ -969,6 +998,33 @@ TEST_F(HungStepTest, AHaltEndsAWorkerStartThatHangs) {
   EXPECT_NE(halted.message().find("drill; its trainer had not started 2 s after the halt, so its workers were killed"),
             std::string::npos)
       << halted.message();
+}
+
+// A model whose weights, gradients and AdamW moments alone exceed the memory of the run's
+// device (a typo: 10^8 layers, or a dim of 10^6) is refused by StartRun, naming the sizes that
+// make it; no run is created. Before, the run was created and its worker failed it with an
+// allocator's message, or on the CPU grew until the host ran out of memory.
+TEST_F(DaemonTest, AModelTooLargeForItsDeviceIsRefusedBeforeARunExists) {
+  auto deep = TinyConfig(shards_);
+  deep.mutable_model()->set_n_layers(100000000);
+  auto wide = TinyConfig(shards_);
+  wide.mutable_model()->set_dim(1000000);
+  for (const auto& [config, cause] :
+       {std::pair{deep, "model.n_layers 100000000"}, std::pair{wide, "model.dim 1000000"}}) {
+    nsa::v1::RunInfo run;
+    const auto status = Start(config, &run);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << cause;
+    EXPECT_NE(status.error_message().find("model: "), std::string::npos) << status.error_message();
+    EXPECT_NE(status.error_message().find("for their float32 weights, gradients and AdamW moments alone, more than"),
+              std::string::npos)
+        << status.error_message();
+    EXPECT_NE(status.error_message().find(cause), std::string::npos) << status.error_message();
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline());
+  nsa::v1::ListRunsResponse list;
+  ASSERT_TRUE(daemon_->stub().ListRuns(&ctx, nsa::v1::ListRunsRequest(), &list).ok());
+  EXPECT_EQ(list.runs_size(), 0) << "no run was created for the refused starts";
 }
 
 // A resume_from that cannot continue the new config's run (a checkpoint of another model,

@@ -39,6 +39,20 @@ ModelConfig M7cModelConfig();
 // SwiGLU hidden width: 8/3 * dim rounded up to a multiple of 64 unless set explicitly.
 int EffectiveMlpHidden(const ModelConfig& model);
 
+// Widths of the NSA attention's hidden layers: the compression MLP's (l*D -> this -> D) and
+// the gate MLP's (dim -> this -> 3*H).
+int64_t CompressionHidden(const ModelConfig& model);
+int64_t GateHidden(const ModelConfig& model);
+
+// The model's trainable parameters (the embedding is tied with the LM head; docs/NSA.md,
+// "Parameter count"). A double: a config not yet refused may describe more than 2^63.
+double ParameterCount(const ModelConfig& model);
+
+// Bytes of a run's training state on each of its devices, activations aside: float32 weights,
+// their gradients and AdamW's two moments, 16 bytes a parameter. A lower bound, so a run it
+// refuses (PlanRuntime) could never have taken a step there.
+double TrainingStateBytes(const ModelConfig& model);
+
 struct DataConfig {
   std::string train_path;
   std::string val_path;
@@ -151,6 +165,10 @@ struct RuntimeCapabilities {
   int cuda_devices = 0;
   bool cuda_kernels = false;  // custom NSA kernels compiled in and runnable on this GPU
   bool nccl = false;          // c10d's NCCL process group compiled in (world_size > 1)
+  // Total memory of each CUDA device and of the host (the smaller of its RAM and its cgroup's
+  // limit), in bytes; empty or 0 when not probed. PlanRuntime holds TrainingStateBytes to them.
+  std::vector<int64_t> cuda_memory_bytes;
+  int64_t host_memory_bytes = 0;
 };
 
 // Where a config runs: "auto" resolved to a device ("cpu" or "cuda:N"; rank 0's with

@@ -34,10 +34,6 @@ Geometry GeometryFrom(const NsaConfig& config) {
   return g;
 }
 
-int64_t CompressionHidden(const ModelConfig& config) { return 2 * int64_t{config.head_dim}; }
-int64_t GateHidden(const ModelConfig& config) {
-  return std::max<int64_t>(1, int64_t{config.dim} / 4);
-}
 
 NsaAttentionImpl::NsaAttentionImpl(const ModelConfig& config, AttentionBackend backend,
                                    double out_proj_std)

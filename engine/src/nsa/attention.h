@@ -18,11 +18,6 @@ namespace nsad::nsa {
 
 Geometry GeometryFrom(const NsaConfig& config);
 
-// Width of the compression MLP's hidden layer (l*D -> this -> D) and of the gate MLP's
-// hidden layer (dim -> this -> 3*H). Exposed for the parameter-count documentation/tests.
-int64_t CompressionHidden(const ModelConfig& config);
-int64_t GateHidden(const ModelConfig& config);
-
 class NsaAttentionImpl : public torch::nn::Module {
  public:
   // out_proj_std: init std of the output projection (scaled down for deep residual stacks).
