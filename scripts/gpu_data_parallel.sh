@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data parallelism on a machine with two or more GPUs, in one go (the device tool's single call
 # on a two-GPU kind: nvidia-h100-x2, nvidia-h200-x2): build (Release) -> the multi-GPU tests
-# (two workers train as one with their batches together; a dead worker fails its run) -> the
+# (two workers train as one with their batches together; a dead worker fails its run; a halt
+# ends a step hung in its all-reduce; a model too large for the GPUs is refused) -> the
 # daemon training m7c 125M (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES
 # workers in turn, eager steps, then again with CUDA graphs, each run's throughput printed by
 # nsactl.
@@ -32,7 +33,7 @@ run_test() {  # binary filter
   grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
   [ $rc -eq 0 ] || status=1
 }
-run_test server/daemon_test "*TwoGpu*:*DeadWorker*:*WorkerCrash*:*BadConfigs*"
+run_test server/daemon_test "*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*"
 run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
 
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
