@@ -41,9 +41,10 @@ constexpr CommandSpec kCommands[] = {
      true},
     {Command::kHalt, "halt", "halt RUN_ID [--reason TEXT]", "stop a run after its current step",
      "  --reason TEXT       recorded in the run's message\n"
-     "  The run is HALTING until its step ends (a step still running nsad's --halt-timeout\n"
-     "  later is ended by killing its workers), then HALTED; `nsactl resume` continues it\n"
-     "  from its last checkpoint.\n",
+     "  The run is HALTING until its step ends and a checkpoint of that step is written\n"
+     "  (unless the run writes no checkpoints), then HALTED; `nsactl resume` continues it\n"
+     "  from there. A step or checkpoint still running nsad's --halt-timeout later is ended\n"
+     "  by killing the run's workers; the run then resumes from its last checkpoint.\n",
      true},
     {Command::kGates, "gates", "gates RUN_ID", "per-layer NSA branch gate statistics", "", true},
     {Command::kThroughput, "throughput", "throughput RUN_ID", "tokens per second and step time",

@@ -313,6 +313,14 @@ class RemoteTrainer final : public Trainer {
     return workers_.CallAll(request)[0].evaluated().loss();
   }
 
+  std::string Checkpoint() override {
+    worker::Request request;
+    request.mutable_checkpoint();
+    const auto reply = workers_.CallAll(request)[0];
+    if (!reply.has_checkpointed()) throw std::runtime_error("nsad-worker: bad checkpoint reply");
+    return reply.checkpointed().path();
+  }
+
   int64_t step() const override { return step_; }
   bool finished() const override { return step_ >= config_.max_steps; }
   GateReport gates() const override { return gates_; }

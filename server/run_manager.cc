@@ -336,6 +336,24 @@ void RunManager::HaltAborted(Run& run, const std::string& what_hung, const std::
   Transition(run, nsa::v1::HALTED, message);
 }
 
+void RunManager::FinishHalt(Run& run, Trainer& trainer) {
+  std::string checkpoint, failure;
+  try {
+    checkpoint = trainer.Checkpoint();
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(run.mutex);
+    if (run.aborted) {  // WatchHalts killed the workers mid-write: the earlier checkpoints stand
+      HaltAborted(run, "its checkpoint had not been written", e.what());
+      return;
+    }
+    failure = std::string("; its checkpoint could not be written: ") + e.what();
+    spdlog::error("run {}: the halt's checkpoint failed: {}", run.info.run_id(), e.what());
+  }
+  std::lock_guard<std::mutex> lock(run.mutex);
+  if (!checkpoint.empty()) run.info.mutable_progress()->set_last_checkpoint(checkpoint);
+  Transition(run, nsa::v1::HALTED, run.info.message() + failure);
+}
+
 void RunManager::Execute(const std::shared_ptr<Run>& run) {
   const std::string id = run->info.run_id();
   {
@@ -371,14 +389,16 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
 
   const TrainConfig& config = run->config;
   while (true) {
+    bool halting = false;
     {
       std::unique_lock<std::mutex> lock(run->mutex);
       if (run->info.state() == nsa::v1::PAUSING) Transition(*run, nsa::v1::PAUSED, "");
       run->changed.wait(lock, [&] { return run->info.state() != nsa::v1::PAUSED; });
-      if (run->info.state() == nsa::v1::HALTING) {
-        Transition(*run, nsa::v1::HALTED, run->info.message());
-        break;
-      }
+      halting = run->info.state() == nsa::v1::HALTING;
+    }
+    if (halting) {
+      FinishHalt(*run, *trainer);
+      break;
     }
     StepMetrics m;
     double val_loss = std::numeric_limits<double>::quiet_NaN();

@@ -81,6 +81,10 @@ class RunManager {
   std::string NextRunId();
   void LoadPersistedRuns();
   void Execute(const std::shared_ptr<Run>& run);
+  // A halt taken between steps (asked for by a person, an alert or the daemon's shutdown):
+  // the trainer checkpoints the step it stopped after, then the run is HALTED. Caller holds
+  // no lock: the checkpoint takes a while, and WatchHalts may end it.
+  void FinishHalt(Run& run, Trainer& trainer);
   grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);

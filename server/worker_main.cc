@@ -92,6 +92,13 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
         }
         response.mutable_evaluated()->set_loss(trainer->Evaluate());
         break;
+      case worker::Request::kCheckpoint:
+        if (!trainer) {
+          SetError(&response, worker::Error::OTHER, "checkpoint before create");
+          break;
+        }
+        response.mutable_checkpointed()->set_path(trainer->Checkpoint());
+        break;
       default:
         SetError(&response, worker::Error::OTHER, "unknown request");
     }

@@ -142,6 +142,42 @@ TEST_F(CheckpointTest, ResumeContinuesExactlyAsTheUninterruptedRun) {
   ExpectSameSteps({reference.steps[2], reference.steps[3]}, Run(*from_two, 4).steps);
 }
 
+// Checkpoint() (what a halt asks for) writes the current step between scheduled ones, and a
+// resume from it continues exactly as the uninterrupted run; it writes nothing twice, nothing
+// before a step, and nothing for a run without checkpoints.
+TEST_F(CheckpointTest, ACheckpointOnRequestResumesExactlyAtTheStepItWasAskedAt) {
+  auto uninterrupted = Trainer::Create(Config());
+  const Trajectory reference = Run(*uninterrupted, 8);
+  EXPECT_EQ(uninterrupted->Checkpoint(), "") << "no checkpoint_dir";
+
+  auto c = Config();
+  c.checkpoint_dir = CheckpointDir();
+  c.checkpoint_every = 4;
+  {
+    auto first = Trainer::Create(c);
+    EXPECT_EQ(first->Checkpoint(), "") << "nothing trained yet";
+    Run(*first, 5);  // a scheduled checkpoint at 4
+    EXPECT_EQ(first->Checkpoint(), CheckpointDir() + "/step_000000005");
+    EXPECT_EQ(first->Checkpoint(), CheckpointDir() + "/step_000000005") << "once";
+    EXPECT_EQ(Entries(CheckpointDir()), (std::vector<std::string>{"step_000000004", "step_000000005"}));
+  }
+  c.resume_from = "latest";
+  auto resumed = Trainer::Create(c);
+  EXPECT_EQ(resumed->step(), 5);
+  EXPECT_EQ(resumed->Checkpoint(), CheckpointDir() + "/step_000000005") << "the step it resumed from has one";
+  const Trajectory tail = Run(*resumed, 8);
+  ExpectSameSteps({reference.steps.begin() + 5, reference.steps.end()}, tail.steps);
+  EXPECT_EQ(tail.val_loss, reference.val_loss);
+
+  auto off = Config();  // checkpoint_every 0 and no milestones: the run asked for none
+  off.checkpoint_dir = (dir_ / "off").string();
+  off.checkpoint_every = 0;
+  auto without = Trainer::Create(off);
+  Run(*without, 2);
+  EXPECT_EQ(without->Checkpoint(), "");
+  EXPECT_TRUE(Entries(off.checkpoint_dir).empty());
+}
+
 // A full disk while an archive is written is an error naming the file and the reason, not
 // a crash (/dev/full: every write fails with ENOSPC). OutputArchive::save_to(path) ended the
 // worker with std::terminate there.

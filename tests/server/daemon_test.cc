@@ -672,6 +672,31 @@ TEST_F(DaemonTest, HaltedRunResumesFromItsLatestCheckpoint) {
   EXPECT_NE(refused.error_message().find("no checkpoint"), std::string::npos) << refused.error_message();
 }
 
+// A halt writes a checkpoint of the step it stopped after, so that the resumed run loses no
+// step: here between two scheduled checkpoints (every 1000 steps: none before the halt).
+// Before, the run was HALTED with no checkpoint and could not be resumed at all.
+TEST_F(DaemonTest, AHaltCheckpointsTheStepItStoppedAfter) {
+  auto config = TinyConfig(shards_);
+  config.set_checkpoint_every(1000);
+  nsa::v1::RunInfo run;
+  ASSERT_TRUE(Start(config, &run).ok());
+  ASSERT_TRUE(WaitForStep(run.run_id(), 3));
+  ASSERT_TRUE(Halt(run.run_id(), "maintenance").ok());
+  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 60));
+  const auto halted = Get(run.run_id());
+  EXPECT_EQ(halted.message(), "maintenance");
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%09lld", static_cast<long long>(halted.progress().step()));
+  const fs::path checkpoint = halted.progress().last_checkpoint();
+  EXPECT_EQ(checkpoint.filename().string(), name) << checkpoint;
+  EXPECT_TRUE(fs::exists(checkpoint / "MANIFEST")) << checkpoint;
+
+  nsa::v1::RunInfo resumed;
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
+  EXPECT_EQ(resumed.config().resume_from(), checkpoint.string());
+  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it trains on from the checkpoint";
+}
+
 // A NaN injected into a layer halts the run at that step, names where it appeared and
 // leaves the last good checkpoint alone; without --allow-fault-injection it is refused.
 TEST_F(DaemonTest, InjectedNanHaltsTheRunWithItsLocation) {

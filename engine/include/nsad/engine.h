@@ -96,6 +96,11 @@ class Trainer {
   virtual StepMetrics Step() = 0;
   // Mean loss over eval_batches validation batches, without touching the weights.
   virtual double Evaluate() = 0;
+  // A checkpoint of the current step, written now unless the step has one already (a halt's:
+  // a resume then loses no step). Returns its path; "" when the run writes no checkpoints
+  // (checkpoint_dir empty, or checkpoint_every and checkpoint_milestone_every both 0) or has
+  // neither trained nor resumed. Data parallel: rank 0 writes it, every worker returns it.
+  virtual std::string Checkpoint() = 0;
 
   virtual int64_t step() const = 0;
   virtual bool finished() const = 0;  // step() >= max_steps

@@ -148,15 +148,15 @@ class TorchTrainer final : public Trainer {
     gates_.layers = host.numel() > 2 ? NsaTransformerImpl::GateStatsFromValues(
                                            host.narrow(0, 2, host.numel() - 2).view({-1, 7}))
                                      : model_->last_gate_stats();
-    if (CheckpointDue(step_)) {
-      if (Rank() == 0) {  // the weights are the same on every worker
-        m.checkpoint = SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_);
-        last_checkpoint_ = m.checkpoint;
-      } else {  // what rank 0 wrote, so that a halt reported by this worker names it too
-        last_checkpoint_ = checkpoint::CheckpointPath(config_.checkpoint_dir, step_);
-      }
-    }
+    if (CheckpointDue(step_)) m.checkpoint = WriteCheckpoint();
     return m;
+  }
+
+  std::string Checkpoint() override {
+    const bool writes = !config_.checkpoint_dir.empty() &&
+                        (config_.checkpoint_every > 0 || config_.checkpoint_milestone_every > 0);
+    if (!writes || step_ == checkpointed_step_ || step_ == 0) return last_checkpoint_;
+    return WriteCheckpoint();
   }
 
   double Evaluate() override {
@@ -350,6 +350,15 @@ class TorchTrainer final : public Trainer {
     return first.empty() ? "none when the step was re-run with checks (not reproducible)" : first;
   }
 
+  // The current step's checkpoint: rank 0 writes it (the weights are the same on every
+  // worker); the others take its path, so that a halt reported by one of them names it too.
+  std::string WriteCheckpoint() {
+    last_checkpoint_ = Rank() == 0 ? SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_)
+                                   : checkpoint::CheckpointPath(config_.checkpoint_dir, step_);
+    checkpointed_step_ = step_;
+    return last_checkpoint_;
+  }
+
   bool CheckpointDue(int64_t step) const {
     if (config_.checkpoint_dir.empty()) return false;
     const int64_t every = config_.checkpoint_every, milestone = config_.checkpoint_milestone_every;
@@ -379,6 +388,7 @@ class TorchTrainer final : public Trainer {
     tokens_seen_ = state.tokens_seen;
     skipped_steps_ = state.skipped_steps;
     last_checkpoint_ = dir;
+    checkpointed_step_ = step_;
   }
 
   TrainConfig config_;
@@ -400,6 +410,7 @@ class TorchTrainer final : public Trainer {
   int64_t skipped_steps_ = 0;
   int64_t parameter_count_ = 0;
   std::string last_checkpoint_;
+  int64_t checkpointed_step_ = -1;  // last_checkpoint_'s step
   GateReport gates_;
 };
 
