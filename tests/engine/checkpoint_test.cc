@@ -143,8 +143,9 @@ TEST_F(CheckpointTest, ResumeContinuesExactlyAsTheUninterruptedRun) {
 }
 
 // Checkpoint() (what a halt asks for) writes the current step between scheduled ones, and a
-// resume from it continues exactly as the uninterrupted run; it writes nothing twice, nothing
-// before a step, and nothing for a run without checkpoints.
+// resume from it continues exactly as the uninterrupted run; it prunes none of the others
+// (a halt for a loss spike keeps the checkpoints from before it), writes nothing twice,
+// nothing before a step, and nothing for a run without checkpoints.
 TEST_F(CheckpointTest, ACheckpointOnRequestResumesExactlyAtTheStepItWasAskedAt) {
   auto uninterrupted = Trainer::Create(Config());
   const Trajectory reference = Run(*uninterrupted, 8);
@@ -153,6 +154,7 @@ TEST_F(CheckpointTest, ACheckpointOnRequestResumesExactlyAtTheStepItWasAskedAt) 
   auto c = Config();
   c.checkpoint_dir = CheckpointDir();
   c.checkpoint_every = 4;
+  c.checkpoint_keep = 1;
   {
     auto first = Trainer::Create(c);
     EXPECT_EQ(first->Checkpoint(), "") << "nothing trained yet";
@@ -168,6 +170,7 @@ TEST_F(CheckpointTest, ACheckpointOnRequestResumesExactlyAtTheStepItWasAskedAt) 
   const Trajectory tail = Run(*resumed, 8);
   ExpectSameSteps({reference.steps.begin() + 5, reference.steps.end()}, tail.steps);
   EXPECT_EQ(tail.val_loss, reference.val_loss);
+  EXPECT_EQ(Entries(CheckpointDir()), std::vector<std::string>{"step_000000008"}) << "scheduled ones prune";
 
   auto off = Config();  // checkpoint_every 0 and no milestones: the run asked for none
   off.checkpoint_dir = (dir_ / "off").string();

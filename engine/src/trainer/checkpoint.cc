@@ -125,7 +125,7 @@ void SaveArchive(torch::serialize::OutputArchive& archive, const std::string& pa
 
 std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
                            const AdamW& optimizer, const ResumeState& state,
-                           const torch::Device& device) {
+                           const torch::Device& device, bool prune) {
   const std::string path = checkpoint::CommitCheckpoint(
       config.checkpoint_dir, state.step, [&](const std::string& dir) {
         try {
@@ -141,8 +141,9 @@ std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& m
         checkpoint::WriteFileDurably(dir + "/" + kCheckpointStateFile, StateToText(state, device));
         checkpoint::WriteFileDurably(dir + "/" + kCheckpointConfigFile, ConfigToText(config));
       });
-  checkpoint::PruneCheckpoints(config.checkpoint_dir, config.checkpoint_keep,
-                               config.checkpoint_milestone_every);
+  if (prune) {
+    checkpoint::PruneCheckpoints(config.checkpoint_dir, config.checkpoint_keep, config.checkpoint_milestone_every);
+  }
   return path;
 }
 

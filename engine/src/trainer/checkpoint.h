@@ -26,13 +26,13 @@ struct ResumeState {
   std::string data_position;  // data::BatchLoader::SavePosition()
 };
 
-// Writes <config.checkpoint_dir>/step_<state.step> atomically, then prunes old checkpoints
-// (checkpoint_keep, checkpoint_milestone_every). Saves the CPU RNG state and, on a CUDA
-// device, that device's RNG state. Returns the checkpoint's path; throws
+// Writes <config.checkpoint_dir>/step_<state.step> atomically, then, with `prune`, prunes old
+// checkpoints (checkpoint_keep, checkpoint_milestone_every). Saves the CPU RNG state and, on a
+// CUDA device, that device's RNG state. Returns the checkpoint's path; throws
 // checkpoint::CheckpointError.
 std::string SaveCheckpoint(const TrainConfig& config, const torch::nn::Module& model,
                            const AdamW& optimizer, const ResumeState& state,
-                           const torch::Device& device);
+                           const torch::Device& device, bool prune = true);
 
 // Writes a torch archive to `path` through checked writes: a failed write (a full disk)
 // throws checkpoint::CheckpointError naming the file. (OutputArchive::save_to(path) throws

@@ -148,15 +148,17 @@ class TorchTrainer final : public Trainer {
     gates_.layers = host.numel() > 2 ? NsaTransformerImpl::GateStatsFromValues(
                                            host.narrow(0, 2, host.numel() - 2).view({-1, 7}))
                                      : model_->last_gate_stats();
-    if (CheckpointDue(step_)) m.checkpoint = WriteCheckpoint();
+    if (CheckpointDue(step_)) m.checkpoint = WriteCheckpoint(/*prune=*/true);
     return m;
   }
 
+  // A halt's checkpoint prunes none of the run's others: a halt for a loss spike must not push
+  // the checkpoints from before the spike out of checkpoint_keep.
   std::string Checkpoint() override {
     const bool writes = !config_.checkpoint_dir.empty() &&
                         (config_.checkpoint_every > 0 || config_.checkpoint_milestone_every > 0);
     if (!writes || step_ == checkpointed_step_ || step_ == 0) return last_checkpoint_;
-    return WriteCheckpoint();
+    return WriteCheckpoint(/*prune=*/false);
   }
 
   double Evaluate() override {
@@ -352,8 +354,8 @@ class TorchTrainer final : public Trainer {
 
   // The current step's checkpoint: rank 0 writes it (the weights are the same on every
   // worker); the others take its path, so that a halt reported by one of them names it too.
-  std::string WriteCheckpoint() {
-    last_checkpoint_ = Rank() == 0 ? SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_)
+  std::string WriteCheckpoint(bool prune) {
+    last_checkpoint_ = Rank() == 0 ? SaveCheckpoint(config_, *model_, *optimizer_, CurrentState(), device_, prune)
                                    : checkpoint::CheckpointPath(config_.checkpoint_dir, step_);
     checkpointed_step_ = step_;
     return last_checkpoint_;
