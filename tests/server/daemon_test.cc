@@ -675,26 +675,47 @@ TEST_F(DaemonTest, HaltedRunResumesFromItsLatestCheckpoint) {
 // A halt writes a checkpoint of the step it stopped after, so that the resumed run loses no
 // step: here between two scheduled checkpoints (every 1000 steps: none before the halt).
 // Before, the run was HALTED with no checkpoint and could not be resumed at all.
-TEST_F(DaemonTest, AHaltCheckpointsTheStepItStoppedAfter) {
-  auto config = TinyConfig(shards_);
-  config.set_checkpoint_every(1000);
-  nsa::v1::RunInfo run;
-  ASSERT_TRUE(Start(config, &run).ok());
-  ASSERT_TRUE(WaitForStep(run.run_id(), 3));
-  ASSERT_TRUE(Halt(run.run_id(), "maintenance").ok());
-  ASSERT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 60));
-  const auto halted = Get(run.run_id());
-  EXPECT_EQ(halted.message(), "maintenance");
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%09lld", static_cast<long long>(halted.progress().step()));
-  const fs::path checkpoint = halted.progress().last_checkpoint();
-  EXPECT_EQ(checkpoint.filename().string(), name) << checkpoint;
-  EXPECT_TRUE(fs::exists(checkpoint / "MANIFEST")) << checkpoint;
+class HaltCheckpointTest : public DaemonTest {
+ protected:
+  // Halts a run of `world_size` workers after step 3 and resumes it; false when the machine
+  // refused the start (fewer GPUs than workers).
+  bool HaltAndResume(int world_size) {
+    auto config = TinyConfig(shards_);
+    config.set_checkpoint_every(1000);
+    if (world_size > 1) {
+      config.set_device("auto");
+      config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
+      config.set_world_size(world_size);
+    }
+    nsa::v1::RunInfo run;
+    const auto status = Start(config, &run);
+    if (world_size > 1 && !status.ok()) return false;
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_TRUE(WaitForStep(run.run_id(), 3));
+    EXPECT_TRUE(Halt(run.run_id(), "maintenance").ok());
+    EXPECT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 60));
+    const auto halted = Get(run.run_id());
+    EXPECT_EQ(halted.message(), "maintenance");
+    char name[32];
+    std::snprintf(name, sizeof name, "step_%09lld", static_cast<long long>(halted.progress().step()));
+    const fs::path checkpoint = halted.progress().last_checkpoint();
+    EXPECT_EQ(checkpoint.filename().string(), name) << checkpoint;
+    EXPECT_TRUE(fs::exists(checkpoint / "MANIFEST")) << checkpoint;
 
-  nsa::v1::RunInfo resumed;
-  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
-  EXPECT_EQ(resumed.config().resume_from(), checkpoint.string());
-  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it trains on from the checkpoint";
+    nsa::v1::RunInfo resumed;
+    EXPECT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
+    EXPECT_EQ(resumed.config().resume_from(), checkpoint.string());
+    EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it trains on from the checkpoint";
+    EXPECT_EQ(daemon_->Children().size(), static_cast<size_t>(world_size));
+    return true;
+  }
+};
+
+TEST_F(HaltCheckpointTest, AHaltCheckpointsTheStepItStoppedAfter) { HaltAndResume(1); }
+
+// Data parallel: rank 0 writes the halt's checkpoint and both workers resume from it.
+TEST_F(HaltCheckpointTest, TwoGpuWorkersHaltWithACheckpointAndResumeFromIt) {
+  if (!HaltAndResume(2)) GTEST_SKIP() << "needs two CUDA devices";
 }
 
 // A NaN injected into a layer halts the run at that step, names where it appeared and
