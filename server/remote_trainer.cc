@@ -91,9 +91,13 @@ WorkerProcess::WorkerProcess(const std::string& worker_binary, const std::string
   channel_ = std::make_unique<WorkerChannel>(from_worker_, to_worker_);
 }
 
-WorkerProcess::~WorkerProcess() {
-  channel_.reset();
+void WorkerProcess::CloseInput() {
+  channel_.reset();     // it writes to_worker_, which closes next
   CloseFd(to_worker_);  // EOF on its stdin: the worker finishes and exits
+}
+
+WorkerProcess::~WorkerProcess() {
+  CloseInput();
   CloseFd(from_worker_);
   const auto deadline = std::chrono::steady_clock::now() + kExitGrace;
   int status = 0;
@@ -150,12 +154,12 @@ worker::Response WorkerProcess::Call(const worker::Request& request) {
 }
 
 void WorkerProcess::Send(const worker::Request& request) {
-  if (pid_ <= 0) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
+  if (pid_ <= 0 || !channel_) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
   if (!channel_->Write(request)) throw std::runtime_error(DescribeExit());
 }
 
 worker::Response WorkerProcess::Receive() {
-  if (pid_ <= 0) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
+  if (pid_ <= 0 || !channel_) throw std::runtime_error("nsad-worker is gone; its log: " + log_path_);
   worker::Response response;
   if (!channel_->Read(&response)) throw std::runtime_error(DescribeExit());
   return response;
@@ -199,6 +203,13 @@ class WorkerGroup {
     for (int rank = 0; rank < size; ++rank) {
       workers_.push_back(std::make_unique<WorkerProcess>(worker_binary, WorkerLog(run_dir, rank)));
     }
+  }
+
+  // Every worker's stdin closes before any exit is awaited: a data-parallel worker's exit
+  // (NCCL's shutdown) waits for its peers, so closing them one after another left each
+  // waiting for the next until its kill, 10 s apiece.
+  ~WorkerGroup() {
+    for (auto& worker : workers_) worker->CloseInput();
   }
 
   int size() const { return static_cast<int>(workers_.size()); }

@@ -36,6 +36,10 @@ class WorkerProcess {
   // SIGKILL; the destructor reaps it. Safe from any thread (a halt that timed out): the
   // process is signalled only while it has not been reaped, so never a recycled pid.
   void Kill();
+  // EOF on the worker's stdin: it finishes and exits, which the destructor waits for. No
+  // request may follow. The destructor does it too; a data-parallel run's workers all get
+  // theirs first (WorkerGroup), since each one's exit waits for its peers' (NCCL's shutdown).
+  void CloseInput();
 
  private:
   std::string DescribeExit();

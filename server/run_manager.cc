@@ -328,30 +328,29 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   return grpc::Status::OK;
 }
 
-void RunManager::HaltAborted(Run& run, const std::string& what_hung, const std::string& error) {
+RunManager::Ending RunManager::HaltAborted(Run& run, const std::string& what_hung, const std::string& error) {
   const std::string message = run.info.message() + "; " + what_hung + " " +
                               std::to_string(options_.halt_timeout.count()) +
                               " s after the halt, so its workers were killed";
   spdlog::warn("run {} halted: {} ({})", run.info.run_id(), message, error);
-  Transition(run, nsa::v1::HALTED, message);
+  return {nsa::v1::HALTED, message};
 }
 
-void RunManager::FinishHalt(Run& run, Trainer& trainer) {
+RunManager::Ending RunManager::FinishHalt(Run& run, Trainer& trainer) {
   std::string checkpoint, failure;
   try {
     checkpoint = trainer.Checkpoint();
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(run.mutex);
     if (run.aborted) {  // WatchHalts killed the workers mid-write: the earlier checkpoints stand
-      HaltAborted(run, "its checkpoint had not been written", e.what());
-      return;
+      return HaltAborted(run, "its checkpoint had not been written", e.what());
     }
     failure = std::string("; its checkpoint could not be written: ") + e.what();
     spdlog::error("run {}: the halt's checkpoint failed: {}", run.info.run_id(), e.what());
   }
   std::lock_guard<std::mutex> lock(run.mutex);
   if (!checkpoint.empty()) run.info.mutable_progress()->set_last_checkpoint(checkpoint);
-  Transition(run, nsa::v1::HALTED, run.info.message() + failure);
+  return {nsa::v1::HALTED, run.info.message() + failure};
 }
 
 void RunManager::Execute(const std::shared_ptr<Run>& run) {
@@ -369,11 +368,10 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     return;
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
-    if (run->aborted) {
-      HaltAborted(*run, "its trainer had not started", e.what());
-    } else {
-      Transition(*run, nsa::v1::FAILED, std::string("could not build the trainer: ") + e.what());
-    }
+    const Ending ending = run->aborted
+                              ? HaltAborted(*run, "its trainer had not started", e.what())
+                              : Ending{nsa::v1::FAILED, std::string("could not build the trainer: ") + e.what()};
+    Transition(*run, ending.state, ending.message);
     return;
   }
   const std::string backend = ToString(trainer->attention_backend());
@@ -388,6 +386,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
                trainer->parameter_count(), trainer->device(), backend);
 
   const TrainConfig& config = run->config;
+  Ending ending{nsa::v1::FAILED, ""};
   while (true) {
     bool halting = false;
     {
@@ -397,7 +396,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       halting = run->info.state() == nsa::v1::HALTING;
     }
     if (halting) {
-      FinishHalt(*run, *trainer);
+      ending = FinishHalt(*run, *trainer);
       break;
     }
     StepMetrics m;
@@ -409,17 +408,16 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       }
     } catch (const TrainingHalt& e) {
       spdlog::error("run {} halted by the engine at step {}: {}", id, e.step(), e.what());
-      std::lock_guard<std::mutex> lock(run->mutex);
-      Transition(*run, nsa::v1::HALTED, e.what());
+      ending = {nsa::v1::HALTED, e.what()};
       break;
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(run->mutex);
       if (run->aborted) {  // the halt's timeout killed the workers: halted, not failed
-        HaltAborted(*run, "its step had not ended", e.what());
+        ending = HaltAborted(*run, "its step had not ended", e.what());
         break;
       }
       spdlog::error("run {} failed: {}", id, e.what());
-      Transition(*run, nsa::v1::FAILED, e.what());
+      ending = {nsa::v1::FAILED, e.what()};
       break;
     }
     const GateReport gates = trainer->gates();
@@ -454,7 +452,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     run->has_gates = true;
     run->info.set_updated_unix_ms(NowMs());
     if (trainer->finished()) {
-      Transition(*run, nsa::v1::COMPLETED, "");
+      ending = {nsa::v1::COMPLETED, ""};
       break;
     }
     if (!m.skipped_reason.empty()) {
@@ -465,7 +463,11 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
       Publish(*run);
     }
   }
+  // The workers exit before the run ends, so that an ended run's GPUs are free (a run started
+  // right after it gets their memory) and ResumeRun's join of this thread waits for nothing.
+  trainer.reset();
   std::lock_guard<std::mutex> lock(run->mutex);
+  Transition(*run, ending.state, ending.message);
   spdlog::info("run {} ended {} at step {}", id, StateName(run->info.state()),
                run->info.progress().step());
 }

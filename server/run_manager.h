@@ -81,16 +81,21 @@ class RunManager {
   std::string NextRunId();
   void LoadPersistedRuns();
   void Execute(const std::shared_ptr<Run>& run);
+  // How Execute ends a run once its trainer, and so its workers, are gone.
+  struct Ending {
+    nsa::v1::RunState state;
+    std::string message;
+  };
   // A halt taken between steps (asked for by a person, an alert or the daemon's shutdown):
-  // the trainer checkpoints the step it stopped after, then the run is HALTED. Caller holds
-  // no lock: the checkpoint takes a while, and WatchHalts may end it.
-  void FinishHalt(Run& run, Trainer& trainer);
+  // the trainer checkpoints the step it stopped after; the run is then to be HALTED. Caller
+  // holds no lock: the checkpoint takes a while, and WatchHalts may end it.
+  Ending FinishHalt(Run& run, Trainer& trainer);
   grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
   // A HALTING run whose work WatchHalts ended (what_hung: what had not ended): HALTED, the
   // halt's reason and what was killed in its message. Caller holds run.mutex.
-  void HaltAborted(Run& run, const std::string& what_hung, const std::string& error);
+  Ending HaltAborted(Run& run, const std::string& what_hung, const std::string& error);
   // The run's state to /metrics and its watchers (Publish). Caller holds run.mutex.
   void Announce(Run& run);
   void Publish(Run& run);

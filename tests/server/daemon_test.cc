@@ -694,6 +694,10 @@ class HaltCheckpointTest : public DaemonTest {
     EXPECT_TRUE(WaitForStep(run.run_id(), 3));
     EXPECT_TRUE(Halt(run.run_id(), "maintenance").ok());
     EXPECT_TRUE(WaitForState(run.run_id(), nsa::v1::HALTED, 60));
+    // Its workers are gone once it is HALTED: their GPUs are free for the next run (before,
+    // a data-parallel run's two workers took 20 s to go, each killed after waiting for the
+    // other's exit, and a ResumeRun meanwhile waited past its deadline).
+    EXPECT_TRUE(daemon_->Children().empty()) << daemon_->Children().size() << " workers left";
     const auto halted = Get(run.run_id());
     EXPECT_EQ(halted.message(), "maintenance");
     char name[32];
