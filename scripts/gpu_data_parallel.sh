@@ -7,7 +7,8 @@
 # workers in turn, eager steps, then again with CUDA graphs, each run's throughput printed by
 # nsactl.
 # Logs go to $1, else $OUT, else /tmp/nsa-gpu-dp. Carry .device-deps and .kernel-deps.
-#   scripts/gpu_data_parallel.sh [LOG_DIR]   env: M7C_STEPS=40, WORLD_SIZES="2 1"
+#   scripts/gpu_data_parallel.sh [LOG_DIR]   env: M7C_STEPS=40, WORLD_SIZES="2 1",
+#   DAEMON_TEST_FILTER (default: the multi-GPU tests; '*' for all of daemon_test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${1:-${OUT:-/tmp/nsa-gpu-dp}}
@@ -33,7 +34,7 @@ run_test() {  # binary filter
   grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
   [ $rc -eq 0 ] || status=1
 }
-run_test server/daemon_test "*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*"
+run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*}"
 run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
 
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
