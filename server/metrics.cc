@@ -69,6 +69,7 @@ void Metrics::SetState(const std::string& run_id, nsa::v1::RunState state) {
     state_.Add({{"run_id", run_id}, {"state", nsa::v1::RunState_Name(s)}}).Set(s == state ? 1 : 0);
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  if (state == nsa::v1::COMPLETED || state == nsa::v1::HALTED || state == nsa::v1::FAILED) RemoveProgress(run_id);
   auto it = run_states_.find(run_id);
   if (it != run_states_.end()) {
     runs_.Add({{"state", nsa::v1::RunState_Name(it->second)}}).Decrement();
@@ -77,30 +78,50 @@ void Metrics::SetState(const std::string& run_id, nsa::v1::RunState state) {
   runs_.Add({{"state", nsa::v1::RunState_Name(state)}}).Increment();
 }
 
+prometheus::Gauge& Metrics::Progress(const std::string& run_id, prometheus::Family<prometheus::Gauge>& family,
+                                     const Labels& labels) {
+  auto& gauge = family.Add(labels);
+  std::lock_guard<std::mutex> lock(mutex_);
+  progress_[run_id].gauges.insert({&family, &gauge});
+  return gauge;
+}
+
+void Metrics::RemoveProgress(const std::string& run_id) {
+  const auto it = progress_.find(run_id);
+  if (it == progress_.end()) return;
+  for (const auto& [family, gauge] : it->second.gauges) family->Remove(gauge);
+  if (it->second.tokens_total != nullptr) tokens_total_.Remove(it->second.tokens_total);
+  progress_.erase(it);
+}
+
 void Metrics::RecordStep(const std::string& run_id, const std::string& backend,
                          const StepMetrics& m) {
-  step_.Add({{"run_id", run_id}}).Set(static_cast<double>(m.step));
-  loss_.Add({{"run_id", run_id}}).Set(m.loss);
-  tokens_per_second_.Add({{"run_id", run_id}, {"attention_backend", backend}}).Set(m.tokens_per_second);
-  data_seconds_.Add({{"run_id", run_id}}).Set(m.data_seconds);
+  Progress(run_id, step_, {{"run_id", run_id}}).Set(static_cast<double>(m.step));
+  Progress(run_id, loss_, {{"run_id", run_id}}).Set(m.loss);
+  Progress(run_id, tokens_per_second_, {{"run_id", run_id}, {"attention_backend", backend}}).Set(m.tokens_per_second);
+  Progress(run_id, data_seconds_, {{"run_id", run_id}}).Set(m.data_seconds);
   auto& total = tokens_total_.Add({{"run_id", run_id}});
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    progress_[run_id].tokens_total = &total;
+  }
   const double delta = static_cast<double>(m.tokens_seen) - total.Value();
   if (delta > 0) total.Increment(delta);
-  grad_norm_.Add({{"run_id", run_id}}).Set(m.grad_norm);
-  lr_.Add({{"run_id", run_id}}).Set(m.lr);
+  Progress(run_id, grad_norm_, {{"run_id", run_id}}).Set(m.grad_norm);
+  Progress(run_id, lr_, {{"run_id", run_id}}).Set(m.lr);
 }
 
 void Metrics::RecordValLoss(const std::string& run_id, double loss) {
-  val_loss_.Add({{"run_id", run_id}}).Set(loss);
+  Progress(run_id, val_loss_, {{"run_id", run_id}}).Set(loss);
 }
 
 void Metrics::RecordGates(const std::string& run_id, const GateReport& report) {
   for (const auto& layer : report.layers) {
     const std::string l = std::to_string(layer.layer);
-    gate_mean_.Add({{"run_id", run_id}, {"layer", l}, {"branch", "cmp"}}).Set(layer.mean.cmp);
-    gate_mean_.Add({{"run_id", run_id}, {"layer", l}, {"branch", "slc"}}).Set(layer.mean.slc);
-    gate_mean_.Add({{"run_id", run_id}, {"layer", l}, {"branch", "win"}}).Set(layer.mean.win);
-    selected_blocks_.Add({{"run_id", run_id}, {"layer", l}}).Set(layer.mean_selected_blocks);
+    Progress(run_id, gate_mean_, {{"run_id", run_id}, {"layer", l}, {"branch", "cmp"}}).Set(layer.mean.cmp);
+    Progress(run_id, gate_mean_, {{"run_id", run_id}, {"layer", l}, {"branch", "slc"}}).Set(layer.mean.slc);
+    Progress(run_id, gate_mean_, {{"run_id", run_id}, {"layer", l}, {"branch", "win"}}).Set(layer.mean.win);
+    Progress(run_id, selected_blocks_, {{"run_id", run_id}, {"layer", l}}).Set(layer.mean_selected_blocks);
   }
 }
 

@@ -12,7 +12,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "nsa/v1/trainer.pb.h"
 #include "nsad/engine.h"
@@ -28,15 +30,25 @@ class Metrics {
   // Port actually bound (useful with port 0); 0 when not serving.
   int bound_port() const;
 
+  // A run that ends (COMPLETED, HALTED, FAILED) keeps its nsad_run_state row but loses its
+  // progress series (step, loss, throughput, gates, ...): a daemon that hosts thousands of runs
+  // over its life exports the live ones' progress, not every run's (their history stays in
+  // Prometheus). A resumed run's series come back with its next step.
   void SetState(const std::string& run_id, nsa::v1::RunState state);
   void RecordStep(const std::string& run_id, const std::string& backend, const StepMetrics& m);
   void RecordValLoss(const std::string& run_id, double loss);
   void RecordGates(const std::string& run_id, const GateReport& report);
 
  private:
+  using Labels = std::map<std::string, std::string>;
+  // family.Add(labels), remembered as one of the run's progress series.
+  prometheus::Gauge& Progress(const std::string& run_id, prometheus::Family<prometheus::Gauge>& family,
+                              const Labels& labels);
+  void RemoveProgress(const std::string& run_id);  // caller holds mutex_
+
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
-  std::mutex mutex_;  // guards per-state run counts
+  std::mutex mutex_;  // guards per-state run counts and progress_
   prometheus::Family<prometheus::Gauge>& step_;
   prometheus::Family<prometheus::Gauge>& loss_;
   prometheus::Family<prometheus::Gauge>& val_loss_;
@@ -50,6 +62,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& selected_blocks_;
   prometheus::Family<prometheus::Gauge>& runs_;
   std::map<std::string, nsa::v1::RunState> run_states_;
+  struct RunProgress {
+    std::set<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>> gauges;
+    prometheus::Counter* tokens_total = nullptr;
+  };
+  std::map<std::string, RunProgress> progress_;
 };
 
 }  // namespace nsad::server

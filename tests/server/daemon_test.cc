@@ -435,6 +435,25 @@ TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
   const double gate = Sample(body, "nsad_run_gate_mean{branch=\"slc\",layer=\"0\"," + run_label + "}");
   EXPECT_GT(gate, 0);
   EXPECT_LT(gate, 1);
+
+  // An ended run keeps its state row and loses its progress series (they were kept for every
+  // run the daemon ever hosted before); resumed, it gets them back with its next step.
+  ASSERT_TRUE(Halt(id, "").ok());
+  ASSERT_TRUE(WaitForState(id, nsa::v1::HALTED, 60));
+  const auto scrape = [&] {
+    return Http("http://127.0.0.1:" + std::to_string(daemon_->metrics_port()) + "/metrics", &code);
+  };
+  std::string ended = scrape();
+  EXPECT_EQ(Sample(ended, "nsad_run_state{" + run_label + ",state=\"HALTED\"}"), 1);
+  EXPECT_EQ(Sample(ended, "nsad_runs{state=\"HALTED\"}"), 1);
+  for (const std::string series : {"nsad_run_step{", "nsad_run_loss{", "nsad_run_tokens_per_second{",
+                                   "nsad_run_tokens_total{", "nsad_run_lr{", "nsad_run_gate_mean{",
+                                   "nsad_run_selected_blocks{"}) {
+    EXPECT_EQ(ended.find(series), std::string::npos) << series << " of an ended run:\n" << ended;
+  }
+  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, id).ok());
+  ASSERT_TRUE(WaitForStep(id, Get(id).progress().step() + 1));
+  EXPECT_GT(Sample(scrape(), "nsad_run_loss{" + run_label + "}"), 0);
 }
 
 // The path an Alertmanager alert takes: webhook -> daemon -> HaltRun, reason recorded.
