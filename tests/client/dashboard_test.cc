@@ -50,6 +50,11 @@ TEST(Dashboard, ParsesWithSchemaVersionAndVariables) {
       EXPECT_EQ(Field(v, "type").string_value(), "datasource");
       EXPECT_EQ(Field(v, "query").string_value(), "prometheus");
     }
+    // The runs to pick from: every run's, from the one series an ended run keeps (its
+    // progress series leave /metrics when it ends).
+    if (Field(v, "name").string_value() == "run_id") {
+      EXPECT_EQ(Field(v, "definition").string_value(), "label_values(nsad_run_state, run_id)");
+    }
   }
   EXPECT_EQ(variables, (std::set<std::string>{"datasource", "run_id"}));
 }
