@@ -45,6 +45,17 @@ nsa::v1::RunConfig TinyConfig(const fs::path& shards) {
   return c;
 }
 
+// `config` on `world_size` workers: with more than one, data parallel on cuda:0, cuda:1, ...
+// on the reference backend (which takes TinyConfig's head_dim).
+nsa::v1::RunConfig OnWorkers(nsa::v1::RunConfig config, int world_size) {
+  if (world_size > 1) {
+    config.set_device("auto");
+    config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
+    config.set_world_size(world_size);
+  }
+  return config;
+}
+
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -121,19 +132,13 @@ class DaemonTest : public ::testing::Test {
   bool WaitForStep(const std::string& id, int64_t step, int seconds = 120) {
     return WaitFor([&] { return Get(id).progress().step() >= step; }, std::chrono::seconds(seconds));
   }
-  // A tiny run checkpointing into dir_/checkpoints every 2 steps, once its first checkpoint
-  // is recorded.
-  // world_size > 1: data parallel on the GPUs (reference backend); a start this machine
-  // refuses (fewer GPUs) returns a run without an id, for the caller to skip.
+  // A tiny run on `world_size` workers (OnWorkers) checkpointing into dir_/checkpoints every
+  // 2 steps, once its first checkpoint is recorded; a start this machine refuses (fewer GPUs
+  // than workers) returns a run without an id, for the caller to skip.
   nsa::v1::RunInfo StartCheckpointingRun(int world_size = 1) {
-    auto config = TinyConfig(shards_);
+    auto config = OnWorkers(TinyConfig(shards_), world_size);
     config.set_checkpoint_every(2);
     config.set_checkpoint_dir((dir_ / "checkpoints").string());
-    if (world_size > 1) {
-      config.set_device("auto");
-      config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
-      config.set_world_size(world_size);
-    }
     nsa::v1::RunInfo run;
     const auto status = Start(config, &run);
     if (world_size > 1 && !status.ok()) return {};
@@ -699,13 +704,8 @@ class HaltCheckpointTest : public DaemonTest {
   // Halts a run of `world_size` workers after step 3 and resumes it; false when the machine
   // refused the start (fewer GPUs than workers).
   bool HaltAndResume(int world_size) {
-    auto config = TinyConfig(shards_);
+    auto config = OnWorkers(TinyConfig(shards_), world_size);
     config.set_checkpoint_every(1000);
-    if (world_size > 1) {
-      config.set_device("auto");
-      config.set_attention_backend(nsa::v1::ATTENTION_BACKEND_REFERENCE);
-      config.set_world_size(world_size);
-    }
     nsa::v1::RunInfo run;
     const auto status = Start(config, &run);
     if (world_size > 1 && !status.ok()) return false;
@@ -992,38 +992,33 @@ class HungStepTest : public DaemonTest {
         << "the hung worker is killed and reaped";
     return Get(id);
   }
+  // Stops a worker of a run of `world_size` workers, halts the run past the timeout and
+  // resumes it from its checkpoint; the run's id, or "" when the machine refused the run.
+  std::string DrillAndResume(int world_size) {
+    const auto run = StartAndStopItsWorker(world_size);
+    if (run.run_id().empty()) return "";
+    EXPECT_GT(stopped_, 0);
+    const auto halted = HaltDrill(run.run_id());
+    EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
+              std::string::npos)
+        << halted.message();
+    nsa::v1::RunInfo resumed;
+    EXPECT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
+    EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
+    EXPECT_EQ(daemon_->Children().size(), static_cast<size_t>(world_size));
+    return run.run_id();
+  }
   pid_t stopped_ = -1;
 };
 
-TEST_F(HungStepTest, AHaltEndsAStepThatOutlastsTheHaltTimeout) {
-  const auto run = StartAndStopItsWorker();
-  ASSERT_GT(stopped_, 0);
-  const auto halted = HaltDrill(run.run_id());
-  EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
-            std::string::npos)
-      << halted.message();
-
-  nsa::v1::RunInfo resumed;
-  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
-  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
-}
+TEST_F(HungStepTest, AHaltEndsAStepThatOutlastsTheHaltTimeout) { DrillAndResume(1); }
 
 // The hung collective itself: one worker of a data-parallel run stops, the other waits for
 // it in its all-reduce. A halt kills both after the timeout; the run resumes on two workers.
 TEST_F(HungStepTest, AHaltEndsADataParallelStepHungInItsAllReduce) {
-  const auto run = StartAndStopItsWorker(2);
-  if (run.run_id().empty()) GTEST_SKIP() << "needs two CUDA devices";
-  ASSERT_GT(stopped_, 0);
-  const auto halted = HaltDrill(run.run_id());
-  EXPECT_NE(halted.message().find("drill; its step had not ended 2 s after the halt, so its workers were killed"),
-            std::string::npos)
-      << halted.message();
-
-  nsa::v1::RunInfo resumed;
-  ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, run.run_id(), &resumed).ok());
-  EXPECT_TRUE(WaitForStep(run.run_id(), halted.progress().step() + 1)) << "it resumes from its checkpoint";
-  EXPECT_EQ(daemon_->Children().size(), 2u);
-  EXPECT_EQ(Get(run.run_id()).device(), "cuda:0,cuda:1");
+  const std::string id = DrillAndResume(2);
+  if (id.empty()) GTEST_SKIP() << "needs two CUDA devices";
+  EXPECT_EQ(Get(id).device(), "cuda:0,cuda:1");
 }
 
 // The daemon's shutdown halts its runs the same way: SIGTERM with a stopped worker ends the
