@@ -178,6 +178,8 @@ std::string FormatRun(const RunInfo& run) {
       {"device", run.device()},
       {"backend", BackendName(run.attention_backend())},
       {"parameters", std::to_string(run.parameter_count())},
+      // Where `nsactl resume` continues a halted or failed run from.
+      {"checkpoint", p.last_checkpoint().empty() ? "-" : p.last_checkpoint()},
   };
   if (!run.message().empty()) fields.emplace_back("message", run.message());
 

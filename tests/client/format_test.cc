@@ -92,7 +92,12 @@ TEST(FormatRun, ShowsStateProgressMessageAndEffectiveConfig) {
   EXPECT_NE(text.find("step:        10/1000\n"), std::string::npos) << text;
   EXPECT_NE(text.find("val_loss:    -\n"), std::string::npos) << text;
   EXPECT_NE(text.find("message:     loss is NaN\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("checkpoint:  -\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\"seq_len\": 256"), std::string::npos) << text;
+  // Where a resume would continue from.
+  run.mutable_progress()->set_last_checkpoint("/state/runs/r-1/checkpoints/step_000000010");
+  EXPECT_NE(FormatRun(run).find("checkpoint:  /state/runs/r-1/checkpoints/step_000000010\n"), std::string::npos)
+      << FormatRun(run);
 }
 
 TEST(FormatGates, OneRowPerLayerWithMeanAndStddev) {
