@@ -44,6 +44,13 @@ void FillStepped(const nsad::StepMetrics& m, const nsad::GateReport& gates, work
   for (const auto& layer : gates.layers) ToProto(layer, s->add_gates());
 }
 
+// A request that needs the trainer before the create made one is an error reply ("step before
+// create").
+bool HasTrainer(const std::unique_ptr<nsad::Trainer>& trainer, const char* request, worker::Response* response) {
+  if (!trainer) SetError(response, worker::Error::OTHER, std::string(request) + " before create");
+  return trainer != nullptr;
+}
+
 worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Trainer>& trainer) {
   worker::Response response;
   try {
@@ -76,28 +83,18 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
         break;
       }
       case worker::Request::kStep:
-        if (!trainer) {
-          SetError(&response, worker::Error::OTHER, "step before create");
-          break;
-        }
-        {
+        if (HasTrainer(trainer, "step", &response)) {
           const auto m = trainer->Step();
           FillStepped(m, trainer->gates(), response.mutable_stepped());
         }
         break;
       case worker::Request::kEvaluate:
-        if (!trainer) {
-          SetError(&response, worker::Error::OTHER, "evaluate before create");
-          break;
-        }
-        response.mutable_evaluated()->set_loss(trainer->Evaluate());
+        if (HasTrainer(trainer, "evaluate", &response)) response.mutable_evaluated()->set_loss(trainer->Evaluate());
         break;
       case worker::Request::kCheckpoint:
-        if (!trainer) {
-          SetError(&response, worker::Error::OTHER, "checkpoint before create");
-          break;
+        if (HasTrainer(trainer, "checkpoint", &response)) {
+          response.mutable_checkpointed()->set_path(trainer->Checkpoint());
         }
-        response.mutable_checkpointed()->set_path(trainer->Checkpoint());
         break;
       default:
         SetError(&response, worker::Error::OTHER, "unknown request");
