@@ -10,6 +10,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include "format.h"
+#include "nsa/v1/run_state.h"
 #include "nsa/v1/trainer.grpc.pb.h"
 
 namespace nsactl {
@@ -58,10 +59,6 @@ int RpcFailure(const grpc::Status& status, const Invocation& inv, std::ostream& 
     return kExitUnreachable;
   }
   return kExitRpcError;
-}
-
-bool IsTerminal(RunState state) {
-  return state == nsa::v1::COMPLETED || state == nsa::v1::HALTED || state == nsa::v1::FAILED;
 }
 
 class CommandRunner {
@@ -197,7 +194,7 @@ class CommandRunner {
       out_.flush();  // a line per event as it happens, also through pipes
       last_state = event.state();
       last_message = event.message();
-      if (IsTerminal(last_state)) {
+      if (nsa::v1::IsTerminal(last_state)) {
         context.TryCancel();  // the run is over; do not wait for the server to close
         break;
       }
@@ -210,7 +207,7 @@ class CommandRunner {
            << (last_message.empty() ? "" : ": " + last_message) << "\n";
       return kExitRunFailed;
     }
-    if (IsTerminal(last_state)) return kExitOk;
+    if (nsa::v1::IsTerminal(last_state)) return kExitOk;
     if (interrupter_ != nullptr && interrupter_->interrupted()) {
       err_ << "nsactl: stopped watching; run " << run_id << " keeps going\n";
       return kExitInterrupted;

@@ -2,6 +2,8 @@
 
 #include <exception>
 
+#include "nsa/v1/run_state.h"
+
 namespace nsad::server {
 namespace {
 
@@ -69,7 +71,7 @@ void Metrics::SetState(const std::string& run_id, nsa::v1::RunState state) {
     state_.Add({{"run_id", run_id}, {"state", nsa::v1::RunState_Name(s)}}).Set(s == state ? 1 : 0);
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state == nsa::v1::COMPLETED || state == nsa::v1::HALTED || state == nsa::v1::FAILED) RemoveProgress(run_id);
+  if (nsa::v1::IsTerminal(state)) RemoveProgress(run_id);
   auto it = run_states_.find(run_id);
   if (it != run_states_.end()) {
     runs_.Add({{"state", nsa::v1::RunState_Name(it->second)}}).Decrement();

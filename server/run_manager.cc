@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "config_mapping.h"
+#include "nsa/v1/run_state.h"
 #include "recent_throughput.h"
 #include "trainer/checkpoint_store.h"
 
@@ -32,10 +33,6 @@ int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-bool IsTerminal(RunState s) {
-  return s == nsa::v1::HALTED || s == nsa::v1::COMPLETED || s == nsa::v1::FAILED;
 }
 
 std::string StateName(RunState s) { return nsa::v1::RunState_Name(s); }
@@ -184,7 +181,7 @@ void RunManager::Shutdown() {
   }
   for (auto& [id, run] : runs) {
     std::lock_guard<std::mutex> lock(run->mutex);
-    if (!IsTerminal(run->info.state()) && run->info.state() != nsa::v1::HALTING) {
+    if (!nsa::v1::IsTerminal(run->info.state()) && run->info.state() != nsa::v1::HALTING) {
       Transition(*run, nsa::v1::HALTING, "daemon shutting down");
     }
     run->changed.notify_all();
@@ -206,7 +203,7 @@ void RunManager::LoadPersistedRuns() {
       continue;
     }
     run->config = FromProto(run->info.config());
-    if (!IsTerminal(run->info.state())) {
+    if (!nsa::v1::IsTerminal(run->info.state())) {
       // The process that ran it is gone; say so instead of showing a run that never moves.
       run->info.set_message("daemon stopped while the run was " + StateName(run->info.state()));
       run->info.set_state(nsa::v1::FAILED);
@@ -500,7 +497,7 @@ std::string RunManager::CheckpointDirUser(const std::string& dir) const {
   const fs::path wanted = fs::weakly_canonical(dir, ignored);
   for (const auto& [id, run] : runs_) {
     std::lock_guard<std::mutex> lock(run->mutex);
-    if (IsTerminal(run->info.state())) continue;  // a resume is refused while the folder is taken
+    if (nsa::v1::IsTerminal(run->info.state())) continue;  // a resume is refused while the folder is taken
     if (fs::weakly_canonical(run->config.checkpoint_dir, ignored) == wanted) return id;
   }
   return "";
@@ -612,7 +609,7 @@ grpc::Status RunManager::Halt(const std::string& run_id, const std::string& reas
   if (!run) return status;
   std::lock_guard<std::mutex> lock(run->mutex);
   const RunState s = run->info.state();
-  if (IsTerminal(s) || s == nsa::v1::HALTING) return Precondition(run_id, s, "halt");
+  if (nsa::v1::IsTerminal(s) || s == nsa::v1::HALTING) return Precondition(run_id, s, "halt");
   Transition(*run, nsa::v1::HALTING, reason.empty() ? "halted by request" : reason);
   spdlog::info("run {} halting: {}", run_id, run->info.message());
   *out = run->info;
@@ -664,7 +661,7 @@ grpc::Status RunManager::Watch(const std::string& run_id, grpc::ServerContext* c
   int64_t last_sent = current.sequence();
   lock.unlock();
   if (!writer->Write(current)) return grpc::Status::OK;
-  if (IsTerminal(current.state())) return grpc::Status::OK;
+  if (nsa::v1::IsTerminal(current.state())) return grpc::Status::OK;
 
   while (true) {
     std::vector<nsa::v1::RunEvent> pending;
@@ -678,7 +675,7 @@ grpc::Status RunManager::Watch(const std::string& run_id, grpc::ServerContext* c
     for (const auto& event : pending) {
       if (!writer->Write(event)) return grpc::Status::OK;  // client went away
       last_sent = event.sequence();
-      if (IsTerminal(event.state())) return grpc::Status::OK;
+      if (nsa::v1::IsTerminal(event.state())) return grpc::Status::OK;
     }
     if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "watch cancelled"};
   }
