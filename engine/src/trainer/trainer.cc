@@ -155,9 +155,7 @@ class TorchTrainer final : public Trainer {
   // A halt's checkpoint prunes none of the run's others: a halt for a loss spike must not push
   // the checkpoints from before the spike out of checkpoint_keep.
   std::string Checkpoint() override {
-    const bool writes = !config_.checkpoint_dir.empty() &&
-                        (config_.checkpoint_every > 0 || config_.checkpoint_milestone_every > 0);
-    if (!writes || step_ == checkpointed_step_ || step_ == 0) return last_checkpoint_;
+    if (!WritesCheckpoints() || step_ == checkpointed_step_ || step_ == 0) return last_checkpoint_;
     return WriteCheckpoint(/*prune=*/false);
   }
 
@@ -361,8 +359,14 @@ class TorchTrainer final : public Trainer {
     return last_checkpoint_;
   }
 
+  // Whether the run writes checkpoints at all: a folder, and a period or milestones.
+  bool WritesCheckpoints() const {
+    return !config_.checkpoint_dir.empty() &&
+           (config_.checkpoint_every > 0 || config_.checkpoint_milestone_every > 0);
+  }
+
   bool CheckpointDue(int64_t step) const {
-    if (config_.checkpoint_dir.empty()) return false;
+    if (!WritesCheckpoints()) return false;
     const int64_t every = config_.checkpoint_every, milestone = config_.checkpoint_milestone_every;
     return (every > 0 && (step % every == 0 || step == config_.max_steps)) ||
            (milestone > 0 && step % milestone == 0);
