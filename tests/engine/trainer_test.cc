@@ -1,8 +1,10 @@
 // nsad::Trainer through its public, torch-free API: config errors, backend resolution,
 // learning, determinism, schedule and throughput accounting. CPU, tiny models.
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <stdexcept>
 #include <functional>
 
 #include "../common/first_losses.h"
@@ -97,6 +99,45 @@ TEST_F(TrainerTest, DataParallelRunsArePlannedOnlyWhereTheyCanRun) {
   // And on this machine, through Create, when it lacks two GPUs.
   if (ProbeRuntime().cuda_devices < 2) {
     EXPECT_THROW(Trainer::Create(config, {0, (dir_ / "rendezvous").string()}), ConfigError);
+  }
+}
+
+// A worker trains on the GPU the daemon placed it on (a run whose device is "auto"), or the
+// one its config names, with the NSA kernels launched there: they launch on the current
+// device's stream, which for a run on cuda:1 was cuda:0's. A CPU run placed on a GPU is refused.
+TEST_F(TrainerTest, AWorkerTrainsOnTheGpuItIsPlacedOn) {
+  WorkerPlace first_gpu;
+  first_gpu.cuda_device = 0;
+  EXPECT_THROW(Trainer::Create(Tiny(), first_gpu), std::invalid_argument);
+  const RuntimeCapabilities caps = ProbeRuntime();
+  if (caps.cuda_devices < 2 || !caps.cuda_kernels) GTEST_SKIP() << "needs two CUDA devices and the NSA kernels";
+  // A worker makes its GPU the current device for good; this process's later tests expect theirs.
+  const c10::cuda::CUDAGuard restore_current_device(c10::cuda::current_device());
+  TrainConfig config = Tiny();
+  config.device = "auto";
+  config.model.head_dim = 64;  // a shape the kernels take
+  config.attention_backend = AttentionBackend::kCuda;
+  const auto train = [](const TrainConfig& c, const WorkerPlace& place, std::string* device) {
+    auto trainer = Trainer::Create(c, place);
+    *device = trainer->device();
+    std::vector<double> losses;
+    for (int i = 0; i < 4; ++i) losses.push_back(trainer->Step().loss);
+    return losses;
+  };
+  WorkerPlace second_gpu;
+  second_gpu.cuda_device = 1;
+  TrainConfig named = config;
+  named.device = "cuda:1";
+  std::string on_first, placed, on_named;
+  const auto expected = train(config, first_gpu, &on_first);
+  const auto placed_losses = train(config, second_gpu, &placed);
+  const auto named_losses = train(named, {}, &on_named);
+  EXPECT_EQ(on_first, "cuda:0");
+  EXPECT_EQ(placed, "cuda:1");
+  EXPECT_EQ(on_named, "cuda:1");
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_NEAR(placed_losses[i], expected[i], 1e-3 * expected[i]) << "step " << i + 1;
+    EXPECT_NEAR(named_losses[i], expected[i], 1e-3 * expected[i]) << "step " << i + 1;
   }
 }
 

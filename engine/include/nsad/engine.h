@@ -73,13 +73,16 @@ struct GateReport {
 // Asks torch what this machine offers (CUDA devices, whether the NSA kernels can run).
 RuntimeCapabilities ProbeRuntime();
 
-// This process's place in a data-parallel run of TrainConfig::world_size workers: its rank
-// (it trains on cuda:rank; rank 0 reports and writes the checkpoints) and the path of the
-// file through which the run's workers meet (a c10d FileStore; fresh for every run, the same
-// for all its workers). Unused when world_size is 1.
+// This process's place in a run: in a data-parallel run of TrainConfig::world_size workers its
+// rank (rank 0 reports and writes the checkpoints) and the path of the file through which the
+// run's workers meet (a c10d FileStore; fresh for every run, the same for all its workers);
+// and, in any run, the GPU the daemon placed the worker on.
 struct WorkerPlace {
   int rank = 0;
   std::string rendezvous;
+  // The GPU this worker trains on, where the daemon placed a run whose device is "auto";
+  // -1: the config's device (cuda:rank with world_size > 1).
+  int cuda_device = -1;
 };
 
 class Trainer {

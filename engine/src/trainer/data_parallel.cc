@@ -3,7 +3,6 @@
 #include <stdexcept>
 
 #ifdef NSAD_HAVE_NCCL
-#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -44,11 +43,8 @@ struct DataParallel::Group {
 
 bool DataParallel::Available() { return true; }
 
-DataParallel::DataParallel(int rank, int world_size, const std::string& rendezvous,
-                           const torch::Device& device)
+DataParallel::DataParallel(int rank, int world_size, const std::string& rendezvous)
     : rank_(rank), world_size_(world_size), group_(std::make_unique<Group>()) {
-  // Kernels without an explicit device (ours included) launch on the current one.
-  c10::cuda::set_device(device.index());
   auto store = c10::make_intrusive<c10d::FileStore>(rendezvous, world_size);
   group_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size);
 }
@@ -85,7 +81,7 @@ struct DataParallel::Group {};
 
 bool DataParallel::Available() { return false; }
 
-DataParallel::DataParallel(int rank, int world_size, const std::string&, const torch::Device&)
+DataParallel::DataParallel(int rank, int world_size, const std::string&)
     : rank_(rank), world_size_(world_size) {
   throw std::runtime_error("this build has no NCCL: world_size must be 1");
 }

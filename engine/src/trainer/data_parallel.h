@@ -18,11 +18,10 @@ class DataParallel {
   // True where this build has c10d's NCCL process group.
   static bool Available();
 
-  // Makes `device` (cuda:rank) this thread's current CUDA device and joins the run's
-  // process group through the c10d FileStore at `rendezvous`; all world_size workers must
-  // construct one. Throws std::runtime_error where NCCL is not Available().
-  DataParallel(int rank, int world_size, const std::string& rendezvous,
-               const torch::Device& device);
+  // Joins the run's process group through the c10d FileStore at `rendezvous`, on the current
+  // CUDA device (the worker's); all world_size workers must construct one. Throws
+  // std::runtime_error where NCCL is not Available().
+  DataParallel(int rank, int world_size, const std::string& rendezvous);
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;

@@ -4,6 +4,7 @@
 // parallel over several GPUs (one worker each). A step reads the device once, after its
 // update: loss, gradient norm and gate statistics.
 #include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -71,16 +72,39 @@ std::string FormatNumber(double value) {
   return out.str();
 }
 
+// The worker's device: the GPU the daemon placed it on, else cuda:rank in a data-parallel run,
+// else the config's. A CUDA device is made the current one: the NSA kernels launch on the
+// current device's stream (a run on an explicit "cuda:1" launched them on cuda:0's).
+torch::Device WorkerDevice(const TrainConfig& config, const WorkerPlace& place, const Runtime& runtime) {
+  torch::Device device = runtime.device;
+  if (place.cuda_device >= 0) {
+    if (!device.is_cuda()) {
+      throw std::invalid_argument("worker place: cuda:" + std::to_string(place.cuda_device) + " for a run on " +
+                                  device.str());
+    }
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(place.cuda_device));
+  } else if (config.world_size > 1) {
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(place.rank));
+  }
+  if (device.is_cuda()) {
+    if (device.index() >= static_cast<int>(torch::cuda::device_count())) {
+      throw std::invalid_argument("worker place: " + device.str() + ", but " +
+                                  std::to_string(torch::cuda::device_count()) + " CUDA device(s) are visible");
+    }
+    c10::cuda::set_device(device.index());
+  }
+  return device;
+}
+
 class TorchTrainer final : public Trainer {
  public:
   TorchTrainer(const TrainConfig& config, const WorkerPlace& place)
       : config_(config),
         runtime_(ResolveRuntime(config)),
-        device_(config.world_size > 1 ? torch::Device(torch::kCUDA, place.rank) : runtime_.device),
+        device_(WorkerDevice(config, place, runtime_)),
         injector_(config.fault_injection) {
     if (config_.world_size > 1) {
-      parallel_ = std::make_unique<DataParallel>(place.rank, config_.world_size, place.rendezvous,
-                                                 device_);
+      parallel_ = std::make_unique<DataParallel>(place.rank, config_.world_size, place.rendezvous);
     }
     torch::manual_seed(config_.seed);
     model_ = NsaTransformer(config_.model, runtime_.backend);
@@ -399,7 +423,7 @@ class TorchTrainer final : public Trainer {
 
   TrainConfig config_;
   Runtime runtime_;
-  torch::Device device_;  // cuda:rank in a data-parallel run
+  torch::Device device_;  // WorkerDevice
   FaultInjector injector_;
   std::unique_ptr<DataParallel> parallel_;  // world_size > 1 only
   NsaTransformer model_{nullptr};
