@@ -34,8 +34,8 @@ run_test() {  # binary filter
   grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
   [ $rc -eq 0 ] || status=1
 }
-run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*}"
-run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*"
+run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*:*GpusTheFewest*}"
+run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*:*PlacedOn*"
 
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
 state=/tmp/nsad-gpu-dp-state; rm -rf "$state"

@@ -269,7 +269,7 @@ class WorkerGroup {
 class RemoteTrainer final : public Trainer {
  public:
   RemoteTrainer(const std::string& worker_binary, const std::string& run_dir,
-                const TrainConfig& config, AbortSlot* abort)
+                const TrainConfig& config, const std::vector<int>& gpus, AbortSlot* abort)
       : config_(config),
         workers_(worker_binary, run_dir, config.world_size),
         abort_(abort ? abort->Register([this] { workers_.KillAll(); }) : nullptr) {
@@ -282,6 +282,7 @@ class RemoteTrainer final : public Trainer {
       *create->mutable_config() = wire_config;
       create->set_allow_fault_injection(config.allow_fault_injection);
       create->set_rank(rank);
+      if (rank < static_cast<int>(gpus.size())) create->set_cuda_device(gpus[rank]);
       if (workers_.size() > 1) create->set_rendezvous(rendezvous);
     }
     const auto replies = workers_.Call(requests);
@@ -355,8 +356,9 @@ class RemoteTrainer final : public Trainer {
 
 std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
                                              const std::string& run_dir,
-                                             const TrainConfig& config, AbortSlot* abort) {
-  return std::make_unique<RemoteTrainer>(worker_binary, run_dir, config, abort);
+                                             const TrainConfig& config, const std::vector<int>& gpus,
+                                             AbortSlot* abort) {
+  return std::make_unique<RemoteTrainer>(worker_binary, run_dir, config, gpus, abort);
 }
 
 }  // namespace nsad::server

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include <sstream>
 
 #include "config_mapping.h"
+#include "gpu_placement.h"
 #include "nsa/v1/run_state.h"
 #include "recent_throughput.h"
 #include "trainer/checkpoint_store.h"
@@ -111,6 +113,11 @@ struct RunManager::Run {
   AbortSlot abort;  // the trainer's (from its workers' start): WatchHalts may end its work
   std::chrono::steady_clock::time_point halting_since;  // when the run last became HALTING
   bool aborted = false;  // WatchHalts ended the work in flight
+  // The GPUs its workers use while it is not ended (PlaceOnGpus), and whether the daemon chose
+  // them (device "auto") rather than the config. Guarded by the manager's mutex_; Execute reads
+  // them in the thread started after they were set.
+  std::vector<int> gpus;
+  bool placed = false;
 };
 
 RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
@@ -294,6 +301,8 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     run->config.checkpoint_dir = (RunDir(id) / "checkpoints").string();
   }
   config = run->config;
+  PlaceOnGpus(*run);
+  if (run->placed) run->info.set_device(GpuNames(run->gpus));  // before its workers report it
   *run->info.mutable_config() = ToProto(config);
   run->info.set_attention_backend(ToProto(config.attention_backend));
   run->info.set_created_unix_ms(NowMs());
@@ -358,7 +367,8 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
   }
   std::unique_ptr<Trainer> trainer;
   try {
-    trainer = factory_(RunDir(id).string(), run->config, &run->abort);
+    trainer = factory_(RunDir(id).string(), run->config, run->placed ? run->gpus : std::vector<int>{},
+                       &run->abort);
   } catch (const ConfigError& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
     Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());
@@ -491,6 +501,33 @@ void RunManager::PersistOrLog(const Run& run) {
   }
 }
 
+void RunManager::PlaceOnGpus(Run& run) {
+  const TrainConfig& config = run.config;
+  run.placed = config.device == "auto" && options_.cuda_devices > 0;
+  if (!run.placed) {
+    run.gpus = NamedGpus(config.device, config.world_size, options_.cuda_devices);
+    return;
+  }
+  std::vector<int> load(options_.cuda_devices, 0);
+  for (const auto& [id, other] : runs_) {
+    if (other.get() == &run) continue;
+    std::lock_guard<std::mutex> lock(other->mutex);
+    if (nsa::v1::IsTerminal(other->info.state())) continue;  // its workers are gone
+    for (const int gpu : other->gpus) {
+      if (gpu >= 0 && gpu < options_.cuda_devices) ++load[gpu];
+    }
+  }
+  run.gpus = LeastLoadedGpus(load, config.world_size);
+  // The config check refused a run wanting more GPUs than the machine has.
+  if (run.gpus.empty()) run.gpus = NamedGpus(config.device, config.world_size, options_.cuda_devices);
+  int sharing = 0;  // the most other runs on one of its GPUs
+  for (const int gpu : run.gpus) sharing = std::max(sharing, load[gpu]);
+  if (sharing > 0) {
+    spdlog::warn("run {}: every GPU is in use; it shares {} with {} other run(s)", run.info.run_id(),
+                 GpuNames(run.gpus), sharing);
+  }
+}
+
 std::string RunManager::CheckpointDirUser(const std::string& dir) const {
   if (dir.empty()) return "";
   std::error_code ignored;
@@ -590,7 +627,9 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
   std::thread previous = std::move(run->thread);
   lock.unlock();
   if (previous.joinable()) previous.join();
+  PlaceOnGpus(*run);  // afresh: the GPUs it had may have been taken since it ended
   lock.lock();
+  if (run->placed) run->info.set_device(GpuNames(run->gpus));
   run->config.resume_from = checkpoint;
   *run->info.mutable_config() = ToProto(run->config);
   run->info.set_parameter_count(0);  // set again once the new worker has loaded it

@@ -16,6 +16,7 @@
 #include <string>
 #include <filesystem>
 #include <thread>
+#include <vector>
 
 #include "abort_slot.h"
 #include "metrics.h"
@@ -24,11 +25,13 @@
 
 namespace nsad::server {
 
-// Builds a run's trainer; run_dir is the run's folder in the state dir (for its logs). From
-// when its building can hang (its workers started) until the trainer goes, it registers in
-// `abort` how to end that work from another thread (the halt timeout).
-using TrainerFactory = std::function<std::unique_ptr<Trainer>(const std::string& run_dir, const TrainConfig&,
-                                                               AbortSlot* abort)>;
+// Builds a run's trainer; run_dir is the run's folder in the state dir (for its logs). `gpus`
+// is the GPU of each worker (rank order) where the daemon placed a run whose device is "auto",
+// empty where the config's device decides. From when its building can hang (its workers
+// started) until the trainer goes, it registers in `abort` how to end that work from another
+// thread (the halt timeout).
+using TrainerFactory = std::function<std::unique_ptr<Trainer>(
+    const std::string& run_dir, const TrainConfig&, const std::vector<int>& gpus, AbortSlot* abort)>;
 // Checks a config beyond ValidateConfig (e.g. the shards' contents) before a run is
 // created; returns field errors. Empty by default.
 using ConfigChecker = std::function<std::vector<FieldError>(const TrainConfig&)>;
@@ -42,6 +45,9 @@ struct RunManagerOptions {
   // trainer registered in); the run is HALTED and resumes from its last checkpoint.
   // Zero: wait for it however long it takes.
   std::chrono::seconds halt_timeout{60};
+  // The machine's GPUs (the workers' probe). A run whose device is "auto" goes on those the
+  // fewest live runs hold (gpu_placement.h); with none, on the CPU as "auto" says.
+  int cuda_devices = 0;
 };
 
 class RunManager {
@@ -103,6 +109,9 @@ class RunManager {
   void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
   // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
   std::string CheckpointDirUser(const std::string& dir) const;
+  // The GPUs for a run about to start (Run::gpus): the config's device where it names one,
+  // else those the fewest live runs other than `run` hold. Caller holds mutex_, not run.mutex.
+  void PlaceOnGpus(Run& run);
   // Aborts the work in flight of runs that have been HALTING for options_.halt_timeout, once
   // a second, until the manager is destroyed.
   void WatchHalts();

@@ -27,8 +27,9 @@ ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps) {
 }
 
 TrainerFactory WorkerTrainerFactory(const std::string& worker_binary) {
-  return [worker_binary](const std::string& run_dir, const TrainConfig& config, AbortSlot* abort) {
-    return CreateRemoteTrainer(worker_binary, run_dir, config, abort);
+  return [worker_binary](const std::string& run_dir, const TrainConfig& config, const std::vector<int>& gpus,
+                         AbortSlot* abort) {
+    return CreateRemoteTrainer(worker_binary, run_dir, config, gpus, abort);
   };
 }
 

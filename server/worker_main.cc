@@ -75,6 +75,7 @@ worker::Response Handle(const worker::Request& request, std::unique_ptr<nsad::Tr
         nsad::WorkerPlace place;
         place.rank = request.create().rank();
         place.rendezvous = request.create().rendezvous();
+        if (request.create().has_cuda_device()) place.cuda_device = request.create().cuda_device();
         trainer = nsad::Trainer::Create(config, place);
         auto* created = response.mutable_created();
         created->set_device(trainer->device());

@@ -551,6 +551,49 @@ nsa::v1::RunConfig GraphedGpuConfig(const fs::path& shards) {
   return config;
 }
 
+// Runs whose device is "auto" go on the GPUs the fewest live runs hold; before, every one went
+// on cuda:0 however many GPUs stood idle. A run on the second GPU, named or placed, trains as
+// on the first (eager steps launched the NSA kernels on cuda:0's stream for a run on cuda:1,
+// "CUDA error: invalid argument"; captured ones ran on the graph's stream), and an ended run's
+// GPU is free again.
+TEST_F(DaemonTest, RunsWithDeviceAutoGoOnTheGpusTheFewestRunsHold) {
+  auto config = GraphedGpuConfig(shards_);
+  config.set_max_steps(6);
+  config.set_cuda_graphs(false);
+  auto named = config;
+  named.set_device("cuda:1");
+  nsa::v1::RunInfo on_second;
+  const auto status = Start(named, &on_second);
+  if (!status.ok()) {
+    // Only the machine may refuse it: fewer than two GPUs, or no kernels.
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    GTEST_SKIP() << "needs two CUDA devices and the kernels: " << status.error_message();
+  }
+  nsa::v1::RunInfo automatic;
+  ASSERT_TRUE(Start(config, &automatic).ok());
+  EXPECT_EQ(automatic.device(), "cuda:0") << "placed at the start, before its worker reports";
+  const auto n = Ended(on_second.run_id()), a = Ended(automatic.run_id());
+  ASSERT_EQ(n.state(), nsa::v1::COMPLETED) << n.message();
+  ASSERT_EQ(a.state(), nsa::v1::COMPLETED) << a.message();
+  EXPECT_EQ(n.device(), "cuda:1");
+  EXPECT_EQ(a.device(), "cuda:0");
+  EXPECT_NEAR(n.progress().loss(), a.progress().loss(), 2e-3 * a.progress().loss());
+  EXPECT_NEAR(n.progress().grad_norm(), a.progress().grad_norm(), 2e-2 * a.progress().grad_norm());
+
+  // Both GPUs free again: the first run takes cuda:0, the next one, while it runs, cuda:1.
+  config.set_cuda_graphs(true);
+  nsa::v1::RunInfo first, second;
+  ASSERT_TRUE(Start(config, &first).ok());
+  ASSERT_TRUE(Start(config, &second).ok());
+  EXPECT_EQ(first.device(), "cuda:0");
+  EXPECT_EQ(second.device(), "cuda:1");
+  const auto f = Ended(first.run_id()), s = Ended(second.run_id());
+  ASSERT_EQ(f.state(), nsa::v1::COMPLETED) << f.message();
+  ASSERT_EQ(s.state(), nsa::v1::COMPLETED) << s.message();
+  EXPECT_EQ(s.device(), "cuda:1") << "as its worker reports it";
+  EXPECT_NEAR(s.progress().loss(), f.progress().loss(), 2e-3 * f.progress().loss());
+}
+
 // Data parallel with CUDA graphs: after two eager steps each worker captures its step with
 // the all-reduces in it and replays that. The replays must train as eager data-parallel steps
 // do. A capture without the all-reduces would update each worker with its own gradients:
