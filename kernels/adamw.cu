@@ -7,6 +7,7 @@
 // two passes took about 0.35 + 1.3 ms per step on an H100 (ncu).
 #include "adamw.h"
 
+#include <ATen/DeviceGuard.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -152,6 +153,7 @@ void FusedAdamW(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                 const std::vector<at::Tensor>& copies) {
   TORCH_CHECK(FusedAdamWTakes(params, grads, exp_avg, exp_avg_sq, steps),
               "FusedAdamW takes float32 contiguous CUDA tensors of matching shapes");
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(params.front()));
   const auto copies_type = CopiesType(params, copies);
   for (const at::Tensor* s : {&lr, &grad_scale, &found_inf}) {
     TORCH_CHECK(!s->defined() || (s->is_cuda() && s->scalar_type() == at::kFloat && s->numel() == 1),

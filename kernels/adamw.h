@@ -1,6 +1,6 @@
 // AdamW's update of a model's float32 parameters on the GPU in a few launches
 // (kernels/adamw.cu), for the optimizer's CUDA path (engine/src/trainer/optimizer.cc). Plain
-// ATen types.
+// ATen types. Runs on the parameters' device whichever device is current.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -10,6 +10,7 @@
 // CUDA graph the step gained less). Here they are four kernels.
 #include "compress_mlp.h"
 
+#include <ATen/DeviceGuard.h>
 #include <climits>
 
 #include "launch_util.cuh"
@@ -209,6 +210,7 @@ bool CompressMlpTakes(const std::vector<CompressorParams>& params, at::ScalarTyp
 
 PreparedCompressors PrepareCompressors(const std::vector<CompressorParams>& params, at::ScalarType ct) {
   TORCH_CHECK(CompressMlpTakes(params, ct), "PrepareCompressors: parameters the kernels do not take");
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(params.front().w1));
   const int P = static_cast<int>(params.size());
   const auto& w1 = params[0].w1;
   const int h = static_cast<int>(w1.size(0)), lD = static_cast<int>(w1.size(1)), D = static_cast<int>(params[0].w2.size(0));
@@ -226,6 +228,7 @@ PreparedCompressors PrepareCompressors(const std::vector<CompressorParams>& para
 }
 
 std::pair<at::Tensor, at::Tensor> CompressHiddenForward(const at::Tensor& y, const at::Tensor& pos_bias) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(y));
   CheckInput(y, "Y", 6);
   CheckInput(pos_bias, "pos_bias", 2);
   TORCH_CHECK(pos_bias.scalar_type() == at::kFloat, "pos_bias must be float32");
@@ -244,6 +247,7 @@ std::pair<at::Tensor, at::Tensor> CompressHiddenForward(const at::Tensor& y, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> CompressHiddenBackward(const at::Tensor& dact, const at::Tensor& hidden,
                                                                       const at::Tensor& dout, int64_t r) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(dact));
   CheckInput(dact, "dact", 5);
   CheckInput(hidden, "hidden", 5);
   CheckInput(dout, "dout", 5);
@@ -280,6 +284,7 @@ bool CompressPositionGradsTake(const std::vector<at::Tensor>& pos, const std::ve
 
 at::Tensor CompressPositionGrads(at::Tensor& dw1, const at::Tensor& dbias, const std::vector<at::Tensor>& pos,
                                  const std::vector<at::Tensor>& w1) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(dw1));
   TORCH_CHECK(CompressPositionGradsTake(pos, w1), "CompressPositionGrads: parameters the kernel does not take");
   const int P = static_cast<int>(pos.size());
   const int h = static_cast<int>(w1[0].size(0)), lD = static_cast<int>(w1[0].size(1));

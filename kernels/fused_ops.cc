@@ -2,6 +2,7 @@
 #include "fused_ops.h"
 
 #include <ATen/record_function.h>
+#include <ATen/DeviceGuard.h>
 #include <torch/autograd.h>
 
 #include "fused_launchers.h"
@@ -266,6 +267,7 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
                                           const torch::Tensor& sin, const std::vector<bool>& rotate,
                                           const GradientPart& dx, const PartChunks& chunks,
                                           const c10::intrusive_ptr<GradientHandoff>& handoff) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(x));
   TORCH_CHECK(x.dim() == 5, "x must be [B,T,P,M,D], got ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(rotate.size()) == x.size(2), "rotate must name each of the ",
               x.size(2), " parts, got ", rotate.size());
@@ -289,6 +291,7 @@ std::vector<torch::Tensor> ApplyRopeParts(const torch::Tensor& x, const torch::T
 
 torch::Tensor MixBranches(const torch::Tensor& gates, const torch::Tensor& o_cmp,
                           const torch::Tensor& o_slc, const torch::Tensor& o_win) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(gates));
   return GateMixFn::apply(gates.contiguous(), o_cmp.contiguous(), o_slc.contiguous(),
                           o_win.contiguous());
 }
@@ -306,19 +309,25 @@ bool AddRmsNormTakes(const torch::Tensor& x, const torch::Tensor& y, const torch
 
 std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const torch::Tensor& y,
                                                    const torch::Tensor& weight, double eps) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(x));
   auto out = AddRmsNormFn::apply(x.contiguous(), y.contiguous(), weight, eps);
   return {out[0], out[1]};
 }
 
 std::pair<torch::Tensor, torch::Tensor> RmsNormOfResidual(const torch::Tensor& x, const torch::Tensor& weight,
                                                           double eps, torch::ScalarType h_type) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(x));
   auto out = RmsNormOfResidualFn::apply(x.contiguous(), weight, eps, static_cast<int64_t>(h_type));
   return {out[0], out[1]};
 }
 
-torch::Tensor SwiGlu(const torch::Tensor& joint) { return SwiGluFn::apply(joint.contiguous()); }
+torch::Tensor SwiGlu(const torch::Tensor& joint) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(joint));
+  return SwiGluFn::apply(joint.contiguous());
+}
 
 torch::Tensor SiluRows(const torch::Tensor& x, const GradientPart& dx) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(x));
   TORCH_CHECK(FusedOpsTake(x), "SiluRows takes a bf16, fp16 or fp32 CUDA tensor");
   return SiluRowsFn::apply(detail::SiluRowsTake(x) ? x : x.contiguous(), dx);
 }
@@ -333,6 +342,7 @@ bool GateHeadTakes(const torch::Tensor& u, const torch::Tensor& hidden_bias, con
 
 torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& hidden_bias, const torch::Tensor& weight,
                        const torch::Tensor& bias, const torch::Tensor& w16, const GradientPart& du) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(u));
   TORCH_CHECK(GateHeadTakes(u, hidden_bias, weight, bias), "GateHead takes u [.., K] (bf16/fp16 CUDA rows of one "
               "16-byte-aligned stride, K a multiple of 32 up to 480), hidden_bias [K] or none, weight [N, K] and "
               "bias [N] with N even and at most 64; got u ", u.sizes(), " ", u.scalar_type(), ", hidden_bias ",
@@ -345,6 +355,7 @@ torch::Tensor GateHead(const torch::Tensor& u, const torch::Tensor& hidden_bias,
 }
 
 torch::Tensor GateStats(const torch::Tensor& gates, const torch::Tensor& block_idx) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(gates));
   torch::NoGradGuard no_grad;
   return detail::GateStats(gates.detach(), block_idx.detach());
 }
@@ -354,6 +365,8 @@ bool GateStatsOfLayersTake(const std::vector<torch::Tensor>& gates, const std::v
 }
 
 torch::Tensor GateStatsOfLayers(const std::vector<torch::Tensor>& gates, const std::vector<torch::Tensor>& block_idx) {
+  TORCH_CHECK(!gates.empty(), "GateStatsOfLayers takes at least one layer's gates");
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(gates.front()));
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> g, i;
   for (const auto& t : gates) g.push_back(t.detach());
@@ -363,6 +376,7 @@ torch::Tensor GateStatsOfLayers(const std::vector<torch::Tensor>& gates, const s
 
 torch::Tensor CrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets,
                            int64_t ignore_index, double expected_grad) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(logits));
   TORCH_CHECK(logits.dim() == 2, "cross-entropy takes logits [N, V], got ", logits.sizes());
   const auto rows = logits.contiguous();
   const bool one_pass =

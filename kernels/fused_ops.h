@@ -3,7 +3,8 @@
 // (cross-entropy), as autograd functions with a one-kernel forward and a one-kernel
 // backward. Their oracles are the LibTorch code in nsa/rope.h (ApplyRope) and
 // nsa/dispatch.cc (the reference mixing, add + norm, SwiGLU and loss); nsa/dispatch.h
-// decides which one runs.
+// decides which one runs. Like the NSA ops (nsa_cuda.h), each runs on its inputs' device
+// whichever device is current.
 // Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS).
 #pragma once
 

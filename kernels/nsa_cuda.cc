@@ -11,6 +11,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/record_function.h>
+#include <ATen/DeviceGuard.h>
 #include <torch/autograd.h>
 
 #include <cmath>
@@ -416,6 +417,7 @@ bool Available() {
 
 CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Tensor& k_cmp,
                                         const torch::Tensor& v_cmp, const Geometry& g) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(q));
   // Under two compressed blocks the custom kernels run: with none (T < l) there is nothing to
   // attend, and cuDNN's backward refuses a single row. UseDenseCompressed still refuses a
   // forced path it cannot run at all.
@@ -425,6 +427,7 @@ CmpImportanceResult CompressedAttention(const torch::Tensor& q, const torch::Ten
 }
 
 torch::Tensor SelectBlocks(const torch::Tensor& importance, int64_t seq_len, const Geometry& g) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(importance));
   RECORD_FUNCTION("nsa::select_blocks", std::vector<c10::IValue>());
   return detail::SelectBlocksLaunch(importance.detach(), seq_len, ToGeo(g));
 }
@@ -432,6 +435,7 @@ torch::Tensor SelectBlocks(const torch::Tensor& importance, int64_t seq_len, con
 torch::Tensor SelectedAttention(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const torch::Tensor& block_idx,
                                 const Geometry& g) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(q));
   return SelectedAttentionFn::apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                     block_idx.to(torch::kInt).contiguous(), g);
 }
@@ -441,6 +445,7 @@ std::pair<torch::Tensor, torch::Tensor> SelectedAndWindowAttention(const torch::
                                                                    const torch::Tensor& block_idx,
                                                                    const torch::Tensor& k_win,
                                                                    const torch::Tensor& v_win, const Geometry& g) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(q));
   if (q.scalar_type() != torch::kHalf && q.scalar_type() != torch::kBFloat16) {
     return {SelectedAttention(q, k_slc, v_slc, block_idx, g), SlidingWindowAttention(q, k_win, v_win, g)};
   }
@@ -458,6 +463,7 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
                                                       const torch::Tensor& v_win, const torch::Tensor& gates,
                                                       const Geometry& g, const GradientPart& dq,
                                                       const HandoffSlot& dk_slc_to, const HandoffSlot& dv_slc_to) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(q));
   TORCH_CHECK(q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16,
               "BranchesMixed takes bf16/fp16, got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "BranchesMixed: q must be [B,T,H,D] with unit stride in D");
@@ -481,6 +487,7 @@ std::pair<torch::Tensor, torch::Tensor> BranchesMixed(const torch::Tensor& q, co
 
 torch::Tensor SlidingWindowAttention(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const Geometry& g) {
+  const at::OptionalDeviceGuard on_inputs_device(at::device_of(q));
   const WindowPaths paths = ChooseWindowPaths(q, k, v, g);
   if (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) {
     return SlidingWindowFn::apply(q.contiguous(), k.contiguous(), v.contiguous(), g.window, paths.tiled_forward,

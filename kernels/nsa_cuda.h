@@ -1,6 +1,8 @@
 // CUDA implementations of the NSA branch ops. Same signatures and semantics as the
 // reference in engine/src/nsa/ops.h (read its header comment: it is the contract), and
-// differentiable: each op is an autograd function with a CUDA backward.
+// differentiable: each op is an autograd function with a CUDA backward. Each op runs on its
+// inputs' device whichever device is current, as ATen's ops do (its kernels launch on the
+// current device, so the entry takes a device guard; autograd runs the backward there).
 // Only compiled when nvcc is present (NSAD_HAVE_CUDA_KERNELS); callers check Available().
 #pragma once
 

@@ -3,6 +3,7 @@
 // tests rely on that), skip a flagged step without touching anything, and save/load its
 // state, including the archives torch::optim::AdamW wrote. On a GPU the fused path must
 // agree with the CPU path within float tolerance.
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -241,6 +242,31 @@ TEST(AdamWTest, FusedCudaPathAgreesWithTheCpuPathAndSkipsOnTheDevice) {
   for (size_t i = 0; i < cpu.size(); ++i) {
     EXPECT_TRUE(torch::allclose(gpu[i].cpu(), cpu[i], 1e-5, 1e-6)) << "parameter " << i;
   }
+}
+
+// The fused step runs on its parameters' device whichever device is current, as ATen's ops
+// do: its kernel launches on the current device's stream, so before its entry took a device
+// guard, parameters on cuda:1 under a current cuda:0 came out wrong, silently.
+TEST(AdamWTest, FusedCudaStepRunsOnItsParametersDeviceWhicheverIsCurrent) {
+  if (ProbeRuntime().cuda_devices < 2) GTEST_SKIP() << "needs two CUDA devices";
+  const c10::cuda::CUDAGuard current(0);
+  const torch::Device second(torch::kCUDA, 1);
+  const auto o = Optim();
+  auto cpu = Params(torch::kCPU);
+  std::vector<torch::Tensor> gpu;
+  for (const auto& p : cpu) gpu.push_back(p.detach().to(second).requires_grad_(true));
+  AdamW on_cpu = AdamW::ForModel(cpu, o);
+  AdamW on_gpu = AdamW::ForModel(gpu, o);
+  for (int step = 0; step < 2; ++step) {
+    SetGrads(cpu, step);
+    for (size_t i = 0; i < cpu.size(); ++i) gpu[i].mutable_grad() = cpu[i].grad().to(second);
+    on_cpu.Step();
+    on_gpu.Step();
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(gpu[i].cpu(), cpu[i], 1e-5, 1e-6)) << "step " << step << " parameter " << i;
+    }
+  }
+  EXPECT_EQ(c10::cuda::current_device(), 0);
 }
 
 // On CUDA the clip factor is applied inside the update kernel as each gradient is read: the

@@ -4,6 +4,7 @@
 // variables named like the field reports' flags switch nothing. GPU cases run only where a
 // GPU is present.
 #include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -280,6 +281,45 @@ TEST(CompressBlocksTogetherOnCuda, TheKernelsComputeWhatTheReferenceDoes) {
         }
       }
     }
+  }
+}
+
+// The model's kernels (the NSA branches, RoPE, the gate head and mixing, the norms, SwiGLU,
+// the loss, the compression MLP) run on their inputs' device whichever device is current, as
+// ATen's ops do: a model on cuda:1 under a current cuda:0 computes the loss and gradients it
+// computes on cuda:0. They launch on the current device's stream: before their entries took a
+// device guard, the model on cuda:1 gave a loss of 9.78 for 5.58 and NaN gradients, silently.
+TEST(KernelsOnTheSecondGpu, RunThereWhicheverDeviceIsCurrent) {
+  const RuntimeCapabilities caps = ProbeRuntime();
+  if (caps.cuda_devices < 2 || !caps.cuda_kernels) GTEST_SKIP() << "needs two CUDA devices and the NSA kernels";
+  const c10::cuda::CUDAGuard current(0);
+  torch::manual_seed(11);
+  const auto batch = torch::randint(0, 256, {2, 129}, torch::kLong);
+  const auto run = [&](int gpu) {
+    const torch::Device device(torch::kCUDA, gpu);
+    torch::manual_seed(5);
+    auto model = NsaTransformer(TinyModel(), AttentionBackend::kCuda);
+    model->to(device);
+    const auto tokens = batch.to(device);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    const auto logits = model->forward(tokens.narrow(1, 0, 128));
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+    const auto loss = nsa::CrossEntropyLoss(AttentionBackend::kCuda, logits.reshape({-1, logits.size(-1)}),
+                                            tokens.narrow(1, 1, 128).reshape({-1}));
+    loss.backward();
+    EXPECT_EQ(c10::cuda::current_device(), 0) << "the ops leave the current device as they found it";
+    std::vector<torch::Tensor> results = {loss.detach().cpu()};
+    for (const auto& p : model->parameters()) results.push_back(p.grad().cpu());
+    return results;
+  };
+  const auto first = run(0), second = run(1);
+  ASSERT_EQ(first.size(), second.size());
+  EXPECT_NEAR(second[0].item<double>(), first[0].item<double>(), 1e-3 * first[0].item<double>());
+  for (size_t i = 1; i < first.size(); ++i) {
+    const double scale = first[i].norm().item<double>();
+    EXPECT_LE((second[i] - first[i]).norm().item<double>(), 1e-2 * scale + 1e-12) << "gradient " << i;
   }
 }
 
