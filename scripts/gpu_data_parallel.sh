@@ -2,7 +2,8 @@
 # Data parallelism on a machine with two or more GPUs, in one go (the device tool's single call
 # on a two-GPU kind: nvidia-h100-x2, nvidia-h200-x2): build (Release) -> the multi-GPU tests
 # (two workers train as one with their batches together; a dead worker fails its run; a halt
-# ends a step hung in its all-reduce; a model too large for the GPUs is refused) -> the
+# ends a step hung in its all-reduce; a model too large for the GPUs is refused; runs with
+# device auto spread over the GPUs; the kernels run on the second GPU) -> the
 # daemon training m7c 125M (seq 2048, bf16, batch 16 per GPU) through nsactl on WORLD_SIZES
 # workers in turn, eager steps, then again with CUDA graphs, each run's throughput printed by
 # nsactl.
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log
 nvidia-smi topo -m | head -4
 
 step build
-targets="nsad nsad-worker nsactl trainer_test daemon_test"
+targets="nsad nsad-worker nsactl trainer_test daemon_test backend_test"
 device_build . "$build" "$logs" "" $targets || exit 1
 grep -E "c10d NCCL" "$logs/configure.log"
 
@@ -36,6 +37,7 @@ run_test() {  # binary filter
 }
 run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*:*GpusTheFewest*}"
 run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*:*PlacedOn*"
+run_test runtime/backend_test "*SecondGpu*"
 
 step "daemon: m7c 125M, batch 16 per GPU, through nsactl"
 state=/tmp/nsad-gpu-dp-state; rm -rf "$state"
