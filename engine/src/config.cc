@@ -216,6 +216,23 @@ bool IsDirectory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// Selection slots past the sequence's selection blocks select nothing (n >= their count takes
+// every block), yet each costs memory at every position ([B, T, groups, n] indices): bounded,
+// so that a slip such as 100000 is refused rather than exhausting the host on the reference
+// backend. The CUDA kernels' own bound (kernel_limits.h) is below this one.
+void CheckSelectionSlots(const TrainConfig& config, Checker& c) {
+  const NsaConfig& n = config.model.nsa;
+  if (n.slc_block <= 0 || config.seq_len <= 0) return;  // refused by name already
+  const int64_t blocks = (static_cast<int64_t>(config.seq_len) + n.slc_block - 1) / n.slc_block;
+  const int64_t most = std::max<int64_t>(nsa::kernel_limits::kMaxTopN, blocks);
+  if (n.slc_top_n > most) {
+    c.Add("model.nsa.slc_top_n", "must be at most " + std::to_string(most) + " (seq_len " +
+                                     std::to_string(config.seq_len) + " has " + std::to_string(blocks) +
+                                     " selection blocks of model.nsa.slc_block " + std::to_string(n.slc_block) +
+                                     "; more slots select nothing), got " + std::to_string(n.slc_top_n));
+  }
+}
+
 void CheckCheckpoints(const TrainConfig& config, Checker& c) {
   c.NonNegative("checkpoint_every", config.checkpoint_every);
   c.Positive("checkpoint_keep", config.checkpoint_keep);
@@ -298,6 +315,7 @@ std::vector<FieldError> ValidateConfig(const TrainConfig& config) {
     c.Add("data.val_path", "no such file, directory or glob match: " + d.val_path);
   }
   if (d.val_path.empty()) c.InRange("data.val_fraction", d.val_fraction, 0.0f, 1.0f, false);
+  CheckSelectionSlots(config, c);
   CheckCheckpoints(config, c);
   CheckNonFinite(config, c);
   auto errors = c.Take();

@@ -192,6 +192,32 @@ TEST(Validation, ReportsEveryBadFieldWithTheValue) {
   EXPECT_TRUE(ValidateConfig(ok).empty()) << FormatFieldErrors(ValidateConfig(ok));
 }
 
+// More selection slots than the sequence has selection blocks select nothing more, but the
+// reference backend keeps [B, T, groups, n] indices: 100000 of them, at the demo's batch 8 of
+// 512 positions in 2 groups, are 819 M indices (3.3 GB as int32, twice that as int64), which
+// nothing refused. Up to the kernels' 32, or the sequence's block count, stays allowed.
+TEST(Validation, SelectionSlotsAreBoundedByTheSequencesBlocks) {
+  TrainConfig config;
+  config.data.train_path = "/";
+  config.model.nsa.slc_block = 64;
+  const auto slots_error = [&](int seq_len, int n) {
+    config.seq_len = seq_len;
+    config.model.nsa.slc_top_n = n;
+    for (const FieldError& e : ValidateConfig(config)) {
+      if (e.field == "model.nsa.slc_top_n") return e.message;
+    }
+    return std::string();
+  };
+  EXPECT_EQ(slots_error(256, 16), "") << "4 blocks, within the kernels' 32";
+  EXPECT_EQ(slots_error(256, 32), "");
+  EXPECT_EQ(slots_error(256, 33),
+            "must be at most 32 (seq_len 256 has 4 selection blocks of model.nsa.slc_block 64; more slots "
+            "select nothing), got 33");
+  EXPECT_EQ(slots_error(4096, 64), "") << "64 blocks";
+  EXPECT_NE(slots_error(4096, 65).find("must be at most 64"), std::string::npos);
+  EXPECT_NE(slots_error(256, 100000).find("got 100000"), std::string::npos);
+}
+
 // Each field refuses what would otherwise run with nonsense or fail later without naming it:
 // infinities that only the sign was checked for, a device index past int, a name that would
 // make every ListRuns reply too large, eval batches that would fill the device.
