@@ -62,9 +62,8 @@ RuntimeCapabilities ProbeWorker(const std::string& worker_binary, const std::str
 // (worker.log for rank 0, worker-<rank>.log for the others) and their rendezvous file there
 // too. With `gpus` (one per worker, rank order: the daemon's placement) each worker trains on
 // its own; empty: on the config's device. Throws ConfigError / std::runtime_error like
-// Trainer::Create. From the workers' start
-// until the trainer goes, `abort` (if given) kills the workers: the creation or the step in
-// flight then throws with their exits.
+// Trainer::Create. From the workers' start until the trainer goes, `abort` (if given) kills the
+// workers: the creation or the step in flight then throws with their exits.
 std::unique_ptr<Trainer> CreateRemoteTrainer(const std::string& worker_binary,
                                              const std::string& run_dir,
                                              const TrainConfig& config, const std::vector<int>& gpus = {},
