@@ -1,5 +1,6 @@
 #include "metrics.h"
 
+#include <algorithm>
 #include <exception>
 
 #include "nsa/v1/run_state.h"
@@ -43,7 +44,11 @@ Metrics::Metrics()
                            .Name("nsad_run_selected_blocks")
                            .Help("Mean selection blocks attended per query")
                            .Register(*registry_)),
-      runs_(BuildGauge().Name("nsad_runs").Help("Runs known to the daemon by state").Register(*registry_)) {
+      runs_(BuildGauge().Name("nsad_runs").Help("Runs known to the daemon by state").Register(*registry_)),
+      device_info_(BuildGauge()
+                       .Name("nsad_run_device_info")
+                       .Help("1 for each device a live run's workers train on")
+                       .Register(*registry_)) {
   auto& info = BuildGauge().Name("nsad_build_info").Help("nsad version").Register(*registry_);
   info.Add({{"version", NSAD_VERSION}}).Set(1);
   for (auto s : AllStates()) runs_.Add({{"state", nsa::v1::RunState_Name(s)}}).Set(0);
@@ -94,6 +99,17 @@ void Metrics::RemoveProgress(const std::string& run_id) {
   for (const auto& [family, gauge] : it->second.gauges) family->Remove(gauge);
   if (it->second.tokens_total != nullptr) tokens_total_.Remove(it->second.tokens_total);
   progress_.erase(it);
+}
+
+void Metrics::RecordDevices(const std::string& run_id, const std::string& devices, const std::string& backend) {
+  std::string::size_type begin = 0;
+  while (begin <= devices.size()) {
+    const auto end = std::min(devices.find(',', begin), devices.size());
+    Progress(run_id, device_info_,
+             {{"run_id", run_id}, {"device", devices.substr(begin, end - begin)}, {"attention_backend", backend}})
+        .Set(1);
+    begin = end + 1;
+  }
 }
 
 void Metrics::RecordStep(const std::string& run_id, const std::string& backend,

@@ -35,6 +35,10 @@ class Metrics {
   // over its life exports the live ones' progress, not every run's (their history stays in
   // Prometheus). A resumed run's series come back with its next step.
   void SetState(const std::string& run_id, nsa::v1::RunState state);
+  // nsad_run_device_info: 1 for each device a live run's workers train on ("cuda:0,cuda:1" for
+  // two), labelled with it and the attention backend, for dashboards to group runs by GPU. A
+  // progress series: gone when the run ends, set again where a resumed run is placed.
+  void RecordDevices(const std::string& run_id, const std::string& devices, const std::string& backend);
   void RecordStep(const std::string& run_id, const std::string& backend, const StepMetrics& m);
   void RecordValLoss(const std::string& run_id, double loss);
   void RecordGates(const std::string& run_id, const GateReport& report);
@@ -61,6 +65,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& gate_mean_;
   prometheus::Family<prometheus::Gauge>& selected_blocks_;
   prometheus::Family<prometheus::Gauge>& runs_;
+  prometheus::Family<prometheus::Gauge>& device_info_;
   std::map<std::string, nsa::v1::RunState> run_states_;
   struct RunProgress {
     std::set<std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>> gauges;

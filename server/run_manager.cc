@@ -389,6 +389,7 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
     run->info.set_parameter_count(trainer->parameter_count());
     if (run->info.state() == nsa::v1::PENDING) Transition(*run, nsa::v1::RUNNING, "");
   }
+  metrics_->RecordDevices(id, trainer->device(), backend);
   spdlog::info("run {}: {} parameters on {} (attention backend {})", id,
                trainer->parameter_count(), trainer->device(), backend);
 

@@ -20,7 +20,7 @@ const std::set<std::string> kExported = {
     "nsad_run_tokens_per_second", "nsad_run_tokens_total", "nsad_run_grad_norm",
     "nsad_run_lr",         "nsad_run_state",      "nsad_run_gate_mean",
     "nsad_run_selected_blocks", "nsad_runs",      "nsad_build_info",
-    "nsad_run_data_seconds"};
+    "nsad_run_data_seconds", "nsad_run_device_info"};
 
 Struct LoadDashboard() {
   std::ifstream file(NSAD_DASHBOARD);

@@ -437,6 +437,8 @@ TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
   EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"PAUSED\"}"), 1);
   EXPECT_EQ(Sample(body, "nsad_run_state{" + run_label + ",state=\"RUNNING\"}"), 0);
   EXPECT_EQ(Sample(body, "nsad_runs{state=\"PAUSED\"}"), 1);
+  // Where it trains, for dashboards to group runs by GPU.
+  EXPECT_EQ(Sample(body, "nsad_run_device_info{attention_backend=\"reference\",device=\"cpu\"," + run_label + "}"), 1);
   const double gate = Sample(body, "nsad_run_gate_mean{branch=\"slc\",layer=\"0\"," + run_label + "}");
   EXPECT_GT(gate, 0);
   EXPECT_LT(gate, 1);
@@ -453,7 +455,7 @@ TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
   EXPECT_EQ(Sample(ended, "nsad_runs{state=\"HALTED\"}"), 1);
   for (const std::string series : {"nsad_run_step{", "nsad_run_loss{", "nsad_run_tokens_per_second{",
                                    "nsad_run_tokens_total{", "nsad_run_lr{", "nsad_run_gate_mean{",
-                                   "nsad_run_selected_blocks{"}) {
+                                   "nsad_run_selected_blocks{", "nsad_run_device_info{"}) {
     EXPECT_EQ(ended.find(series), std::string::npos) << series << " of an ended run:\n" << ended;
   }
   ASSERT_TRUE(Control(&nsa::v1::Trainer::Stub::ResumeRun, id).ok());
