@@ -16,13 +16,18 @@ std::string DaemonUsage() {
          "  --allow-fault-injection    accept run configs with fault_injection (drills, tests)\n"
          "  --halt-timeout SECONDS     a halt (or shutdown) waits this long for the step in flight,\n"
          "                             then kills the run's workers (default 60; 0 = no limit)\n"
+         "  --runs-per-gpu N           at most N live runs on a GPU; a run that finds none with room\n"
+         "                             waits PENDING for one, first come first served (default 0 =\n"
+         "                             no limit: a run with device auto shares the least busy GPU)\n"
          "The bound addresses are written to DIR/endpoints.json.\n";
 }
 
 bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::string* error) {
   std::string halt_timeout = std::to_string(options->halt_timeout_seconds);
+  std::string runs_per_gpu = std::to_string(options->runs_per_gpu);
   const std::map<std::string, std::string*> flags = {
       {"--halt-timeout", &halt_timeout},
+      {"--runs-per-gpu", &runs_per_gpu},
       {"--listen", &options->listen_address},
       {"--metrics", &options->metrics_address},
       {"--alert-webhook", &options->alert_webhook_address},
@@ -72,6 +77,14 @@ bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::stri
     return false;
   }
   options->halt_timeout_seconds = std::stoi(halt_timeout);
+  constexpr int kMaxRunsPerGpu = 1000;
+  if (runs_per_gpu.size() > 4 || runs_per_gpu.find_first_not_of("0123456789") != std::string::npos ||
+      std::stoi(runs_per_gpu) > kMaxRunsPerGpu) {
+    *error = "--runs-per-gpu must be a whole number from 0 to " + std::to_string(kMaxRunsPerGpu) + " (got \"" +
+             runs_per_gpu + "\")";
+    return false;
+  }
+  options->runs_per_gpu = std::stoi(runs_per_gpu);
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   for (const char* level : kLevels) {
     if (options->log_level == level) return true;

@@ -17,6 +17,7 @@ struct DaemonOptions {
   std::string worker_binary;  // nsad-worker; default: next to the nsad executable
   bool allow_fault_injection = false;  // lets run configs use fault_injection (drills, tests)
   int halt_timeout_seconds = 60;       // RunManagerOptions::halt_timeout; 0 = wait for the step
+  int runs_per_gpu = 0;                // RunManagerOptions::runs_per_gpu; 0 = no limit
 };
 
 // Accepts --name=value and --name value. On failure returns false with *error set

@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
         options.state_dir, &metrics, nsad::server::WorkerTrainerFactory(worker),
         nsad::server::DefaultConfigChecker(caps),
         nsad::server::RunManagerOptions{options.allow_fault_injection,
-                                        std::chrono::seconds(options.halt_timeout_seconds), caps.cuda_devices});
+                                        std::chrono::seconds(options.halt_timeout_seconds), caps.cuda_devices,
+                                        options.runs_per_gpu});
   } catch (const std::exception& e) {
     spdlog::critical("cannot load the run records in {}: {}", options.state_dir, e.what());
     return 1;

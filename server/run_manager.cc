@@ -113,11 +113,14 @@ struct RunManager::Run {
   AbortSlot abort;  // the trainer's (from its workers' start): WatchHalts may end its work
   std::chrono::steady_clock::time_point halting_since;  // when the run last became HALTING
   bool aborted = false;  // WatchHalts ended the work in flight
-  // The GPUs its workers use while it is not ended (PlaceOnGpus), and whether the daemon chose
-  // them (device "auto") rather than the config. Guarded by the manager's mutex_; Execute reads
-  // them in the thread started after they were set.
+  // The GPUs its workers use while it is not ended (TryPlaceOnGpus), whether the daemon chose
+  // them (device "auto") rather than the config, and, while it waits for room on them
+  // (--runs-per-gpu), its place in the queue. Guarded by the manager's mutex_; Execute reads
+  // them in its own thread once they are set.
   std::vector<int> gpus;
   bool placed = false;
+  bool waiting = false;
+  int64_t ticket = 0;
 };
 
 RunManager::RunManager(std::string state_dir, Metrics* metrics, TrainerFactory factory,
@@ -193,6 +196,7 @@ void RunManager::Shutdown() {
     }
     run->changed.notify_all();
   }
+  gpus_freed_.notify_all();
 }
 
 void RunManager::LoadPersistedRuns() {
@@ -301,14 +305,16 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
     run->config.checkpoint_dir = (RunDir(id) / "checkpoints").string();
   }
   config = run->config;
-  PlaceOnGpus(*run);
-  if (run->placed) run->info.set_device(GpuNames(run->gpus));  // before its workers report it
+  run->ticket = next_ticket_++;
+  run->waiting = !TryPlaceOnGpus(*run);
+  if (run->placed && !run->waiting) run->info.set_device(GpuNames(run->gpus));  // before its workers report it
   *run->info.mutable_config() = ToProto(config);
   run->info.set_attention_backend(ToProto(config.attention_backend));
   run->info.set_created_unix_ms(NowMs());
   run->info.mutable_progress()->set_max_steps(config.max_steps);
   run->info.mutable_progress()->set_val_loss(std::numeric_limits<double>::quiet_NaN());
   run->info.set_state(nsa::v1::PENDING);
+  if (run->waiting) run->info.set_message(WaitingMessage());
   run->info.set_updated_unix_ms(NowMs());
   // The record is on disk before the run exists: a state dir that cannot take it refuses the
   // run instead of leaving one that no restart would know. (Written once: Transition would
@@ -360,7 +366,17 @@ RunManager::Ending RunManager::FinishHalt(Run& run, Trainer& trainer) {
 }
 
 void RunManager::Execute(const std::shared_ptr<Run>& run) {
+  // However the run ends, a run waiting for its GPUs may now have room.
+  struct WakeWaitingRuns {
+    std::condition_variable& freed;
+    ~WakeWaitingRuns() { freed.notify_all(); }
+  } wake{gpus_freed_};
   const std::string id = run->info.run_id();
+  if (!WaitForGpus(*run)) {
+    std::lock_guard<std::mutex> lock(run->mutex);
+    Transition(*run, nsa::v1::HALTED, run->info.message() + " (while waiting for a GPU)");
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(run->mutex);
     run->aborted = false;
@@ -502,31 +518,77 @@ void RunManager::PersistOrLog(const Run& run) {
   }
 }
 
-void RunManager::PlaceOnGpus(Run& run) {
+bool RunManager::TryPlaceOnGpus(Run& run) {
   const TrainConfig& config = run.config;
-  run.placed = config.device == "auto" && options_.cuda_devices > 0;
-  if (!run.placed) {
-    run.gpus = NamedGpus(config.device, config.world_size, options_.cuda_devices);
-    return;
-  }
-  std::vector<int> load(options_.cuda_devices, 0);
+  const int devices = options_.cuda_devices;
+  run.placed = config.device == "auto" && devices > 0;
+  std::vector<int> load(devices, 0);
+  std::vector<const Run*> waiting_before;  // earlier runs still waiting for GPUs
   for (const auto& [id, other] : runs_) {
     if (other.get() == &run) continue;
     std::lock_guard<std::mutex> lock(other->mutex);
-    if (nsa::v1::IsTerminal(other->info.state())) continue;  // its workers are gone
+    const RunState state = other->info.state();
+    if (nsa::v1::IsTerminal(state)) continue;  // its workers are gone
+    if (other->waiting) {
+      if (other->ticket < run.ticket && state != nsa::v1::HALTING) waiting_before.push_back(other.get());
+      continue;  // it holds no GPU yet
+    }
     for (const int gpu : other->gpus) {
-      if (gpu >= 0 && gpu < options_.cuda_devices) ++load[gpu];
+      if (gpu >= 0 && gpu < devices) ++load[gpu];
     }
   }
-  run.gpus = LeastLoadedGpus(load, config.world_size);
-  // The config check refused a run wanting more GPUs than the machine has.
-  if (run.gpus.empty()) run.gpus = NamedGpus(config.device, config.world_size, options_.cuda_devices);
+  std::vector<int> gpus = run.placed ? LeastLoadedGpus(load, config.world_size) : std::vector<int>{};
+  // Named devices, and a run wanting more GPUs than there are (the config check refused it).
+  if (gpus.empty()) gpus = NamedGpus(config.device, config.world_size, devices);
+  run.gpus.clear();
+  if (options_.runs_per_gpu > 0) {
+    for (const int gpu : gpus) {
+      if (gpu >= 0 && gpu < devices && load[gpu] >= options_.runs_per_gpu) return false;
+    }
+    // First come, first served among runs that want the same GPUs: an earlier run waiting for
+    // any GPU (auto) or for one of these goes first.
+    for (const Run* earlier : waiting_before) {
+      if (earlier->config.device == "auto" && devices > 0) return false;
+      for (const int gpu : NamedGpus(earlier->config.device, earlier->config.world_size, devices)) {
+        if (std::find(gpus.begin(), gpus.end(), gpu) != gpus.end()) return false;
+      }
+    }
+  }
+  run.gpus = gpus;
   int sharing = 0;  // the most other runs on one of its GPUs
-  for (const int gpu : run.gpus) sharing = std::max(sharing, load[gpu]);
-  if (sharing > 0) {
+  for (const int gpu : run.gpus) {
+    if (gpu >= 0 && gpu < devices) sharing = std::max(sharing, load[gpu]);
+  }
+  if (run.placed && sharing > 0) {
     spdlog::warn("run {}: every GPU is in use; it shares {} with {} other run(s)", run.info.run_id(),
                  GpuNames(run.gpus), sharing);
   }
+  return true;
+}
+
+bool RunManager::WaitForGpus(Run& run) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (run.waiting) {
+    {
+      std::lock_guard<std::mutex> run_lock(run.mutex);
+      if (run.info.state() == nsa::v1::HALTING) return false;
+    }
+    if (TryPlaceOnGpus(run)) {
+      run.waiting = false;
+      std::lock_guard<std::mutex> run_lock(run.mutex);
+      if (run.placed) run.info.set_device(GpuNames(run.gpus));
+      spdlog::info("run {}: a GPU has room, starting on {}", run.info.run_id(), GpuNames(run.gpus));
+      break;
+    }
+    // Ended and halted runs wake it; the timeout covers a wake-up sent while it was checking.
+    gpus_freed_.wait_for(lock, std::chrono::milliseconds(500));
+  }
+  return true;
+}
+
+std::string RunManager::WaitingMessage() const {
+  return "waiting for a GPU (at most " + std::to_string(options_.runs_per_gpu) +
+         " live run(s) on each: nsad --runs-per-gpu)";
 }
 
 std::string RunManager::CheckpointDirUser(const std::string& dir) const {
@@ -628,13 +690,15 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
   std::thread previous = std::move(run->thread);
   lock.unlock();
   if (previous.joinable()) previous.join();
-  PlaceOnGpus(*run);  // afresh: the GPUs it had may have been taken since it ended
+  run->ticket = next_ticket_++;
+  run->waiting = !TryPlaceOnGpus(*run);  // afresh: the GPUs it had may have been taken since it ended
   lock.lock();
-  if (run->placed) run->info.set_device(GpuNames(run->gpus));
+  if (run->placed && !run->waiting) run->info.set_device(GpuNames(run->gpus));
   run->config.resume_from = checkpoint;
   *run->info.mutable_config() = ToProto(run->config);
   run->info.set_parameter_count(0);  // set again once the new worker has loaded it
-  Transition(*run, nsa::v1::PENDING, "resuming from " + checkpoint);
+  Transition(*run, nsa::v1::PENDING,
+             "resuming from " + checkpoint + (run->waiting ? "; " + WaitingMessage() : std::string()));
   *out = run->info;
   lock.unlock();
   spdlog::info("run {} resuming from {}", id, checkpoint);
@@ -653,6 +717,7 @@ grpc::Status RunManager::Halt(const std::string& run_id, const std::string& reas
   Transition(*run, nsa::v1::HALTING, reason.empty() ? "halted by request" : reason);
   spdlog::info("run {} halting: {}", run_id, run->info.message());
   *out = run->info;
+  gpus_freed_.notify_all();  // a run waiting for a GPU ends; those behind it may go
   return grpc::Status::OK;
 }
 

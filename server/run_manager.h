@@ -48,6 +48,10 @@ struct RunManagerOptions {
   // The machine's GPUs (the workers' probe). A run whose device is "auto" goes on those the
   // fewest live runs hold (gpu_placement.h); with none, on the CPU as "auto" says.
   int cuda_devices = 0;
+  // At most this many live runs on a GPU: a run that finds no room (auto: on no GPU; a named
+  // device: on its own) waits PENDING until a run ends, first come first served among the runs
+  // that want the same GPUs. 0: no limit (a run with device auto shares the least busy GPU).
+  int runs_per_gpu = 0;
 };
 
 class RunManager {
@@ -110,8 +114,13 @@ class RunManager {
   // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
   std::string CheckpointDirUser(const std::string& dir) const;
   // The GPUs for a run about to start (Run::gpus): the config's device where it names one,
-  // else those the fewest live runs other than `run` hold. Caller holds mutex_, not run.mutex.
-  void PlaceOnGpus(Run& run);
+  // else those the fewest live runs other than `run` hold. False, with no GPUs set, when the
+  // run must wait: those GPUs hold options_.runs_per_gpu runs, or an earlier run waits for
+  // them. Caller holds mutex_, not run.mutex.
+  bool TryPlaceOnGpus(Run& run);
+  // Blocks while the run waits for room on its GPUs; false when it was halted meanwhile.
+  bool WaitForGpus(Run& run);
+  std::string WaitingMessage() const;
   // Aborts the work in flight of runs that have been HALTING for options_.halt_timeout, once
   // a second, until the manager is destroyed.
   void WatchHalts();
@@ -122,9 +131,11 @@ class RunManager {
   ConfigChecker checker_;
   RunManagerOptions options_;
 
-  std::mutex mutex_;  // guards runs_, next_id_, shutting_down_, watch_ended_
+  std::mutex mutex_;  // guards runs_, next_id_, next_ticket_, shutting_down_, watch_ended_
   std::map<std::string, std::shared_ptr<Run>> runs_;
   int64_t next_id_ = 1;
+  int64_t next_ticket_ = 1;                // the order runs asked for GPUs in (Run::ticket)
+  std::condition_variable gpus_freed_;     // with mutex_: a run ended or was halted (WaitForGpus)
   bool shutting_down_ = false;
   bool watch_ended_ = false;
   std::condition_variable watch_wake_;  // ends WatchHalts' wait early (destruction)

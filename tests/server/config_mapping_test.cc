@@ -455,5 +455,21 @@ TEST(DaemonOptions, HaltTimeoutIsWholeSecondsUpToADay) {
   }
 }
 
+TEST(DaemonOptions, RunsPerGpuIsAWholeNumberUpToAThousand) {
+  DaemonOptions options;
+  EXPECT_EQ(options.runs_per_gpu, 0) << "no limit unless asked";
+  std::string error;
+  for (const auto& [text, runs] : {std::pair<const char*, int>{"0", 0}, {"1", 1}, {"1000", 1000}}) {
+    const char* argv[] = {"nsad", "--runs-per-gpu", text};
+    ASSERT_TRUE(ParseDaemonOptions(3, const_cast<char**>(argv), &options, &error)) << text << ": " << error;
+    EXPECT_EQ(options.runs_per_gpu, runs);
+  }
+  for (const char* text : {"-1", "1.5", "1001", "99999999999", "all"}) {
+    const char* argv[] = {"nsad", "--runs-per-gpu", text};
+    EXPECT_FALSE(ParseDaemonOptions(3, const_cast<char**>(argv), &options, &error)) << text;
+    EXPECT_NE(error.find("--runs-per-gpu must be a whole number"), std::string::npos) << error;
+  }
+}
+
 }  // namespace
 }  // namespace nsad::server

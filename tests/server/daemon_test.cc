@@ -596,6 +596,51 @@ TEST_F(DaemonTest, RunsWithDeviceAutoGoOnTheGpusTheFewestRunsHold) {
   EXPECT_NEAR(s.progress().loss(), f.progress().loss(), 2e-3 * f.progress().loss());
 }
 
+// With --runs-per-gpu 1 a run whose GPU already holds a run waits PENDING (no worker started)
+// and starts when that run ends, first come first served; halted while it waits, it ends at
+// once. Before, every run started at once and shared the GPU, and its memory, with the others.
+TEST_F(DaemonTest, ARunWaitsForRoomOnItsGpu) {
+  daemon_.reset();
+  daemon_ = std::make_unique<Daemon>(dir_ / "state", std::vector<std::string>{"--runs-per-gpu", "1"});
+  auto config = GraphedGpuConfig(shards_);
+  config.set_cuda_graphs(false);
+  config.set_device("cuda:0");
+  config.set_max_steps(1000000);
+  nsa::v1::RunInfo first;
+  const auto status = Start(config, &first);
+  if (!status.ok()) {
+    ASSERT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    GTEST_SKIP() << "needs a CUDA device and the kernels: " << status.error_message();
+  }
+  ASSERT_TRUE(WaitForStep(first.run_id(), 1));
+  nsa::v1::RunInfo second, third;
+  ASSERT_TRUE(Start(config, &second).ok());
+  ASSERT_TRUE(Start(config, &third).ok());
+  for (const auto& waiting : {second, third}) {
+    EXPECT_EQ(waiting.state(), nsa::v1::PENDING);
+    EXPECT_NE(waiting.message().find("waiting for a GPU"), std::string::npos) << waiting.message();
+    EXPECT_EQ(waiting.device(), "");
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  EXPECT_EQ(Get(second.run_id()).state(), nsa::v1::PENDING) << "still waiting";
+  const fs::path runs = dir_ / "state" / "runs";
+  EXPECT_FALSE(fs::exists(runs / second.run_id() / "worker.log")) << "no worker while it waits";
+
+  ASSERT_TRUE(Halt(second.run_id(), "not needed").ok());
+  const auto halted = Ended(second.run_id(), 30);
+  EXPECT_EQ(halted.state(), nsa::v1::HALTED);
+  EXPECT_NE(halted.message().find("not needed (while waiting for a GPU)"), std::string::npos) << halted.message();
+  EXPECT_FALSE(fs::exists(runs / second.run_id() / "worker.log"));
+
+  EXPECT_EQ(Get(third.run_id()).state(), nsa::v1::PENDING);
+  ASSERT_TRUE(Halt(first.run_id(), "make room").ok());
+  ASSERT_TRUE(WaitForStep(third.run_id(), 1));
+  EXPECT_EQ(Ended(first.run_id(), 30).state(), nsa::v1::HALTED);
+  EXPECT_EQ(Get(third.run_id()).device(), "cuda:0");
+  ASSERT_TRUE(Halt(third.run_id(), "done").ok());
+  EXPECT_EQ(Ended(third.run_id()).state(), nsa::v1::HALTED);
+}
+
 // Data parallel with CUDA graphs: after two eager steps each worker captures its step with
 // the all-reduces in it and replays that. The replays must train as eager data-parallel steps
 // do. A capture without the all-reduces would update each worker with its own gradients:
