@@ -35,7 +35,7 @@ run_test() {  # binary filter
   grep -E "Failure|Expected|Which is|actual|needs two" "$logs/$(basename $1).log" | head -10
   [ $rc -eq 0 ] || status=1
 }
-run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*:*GpusTheFewest*}"
+run_test server/daemon_test "${DAEMON_TEST_FILTER:-*TwoGpu*:*DeadWorker*:*DataParallelStepHung*:*WorkerCrash*:*BadConfigs*:*TooLarge*:*GpusTheFewest*:*DataParallelAutoRun*}"
 run_test engine/trainer_test "*DataParallel*:*Cuda*:*Graph*:*PlacedOn*"
 run_test runtime/backend_test "*SecondGpu*"
 

@@ -596,6 +596,35 @@ TEST_F(DaemonTest, RunsWithDeviceAutoGoOnTheGpusTheFewestRunsHold) {
   EXPECT_NEAR(s.progress().loss(), f.progress().loss(), 2e-3 * f.progress().loss());
 }
 
+// A data-parallel run with device auto takes the GPUs the fewest live runs hold, not cuda:0 and
+// cuda:1 whatever runs there: beside a run on cuda:0 it trains on cuda:1 and cuda:2 (its ranks'
+// NCCL group on GPUs that do not start at 0). Needs three GPUs (not run yet: the lent machines
+// have one or two).
+TEST_F(DaemonTest, ADataParallelAutoRunTakesTheGpusTheFewestRunsHold) {
+  auto busy = GraphedGpuConfig(shards_);
+  busy.set_cuda_graphs(false);
+  busy.set_max_steps(1000000);
+  busy.set_device("cuda:2");
+  nsa::v1::RunInfo probe;
+  if (!Start(busy, &probe).ok()) GTEST_SKIP() << "needs three CUDA devices and the kernels";
+  ASSERT_TRUE(Halt(probe.run_id(), "only asked how many GPUs there are").ok());
+  ASSERT_EQ(Ended(probe.run_id()).state(), nsa::v1::HALTED);
+  busy.set_device("cuda:0");
+  nsa::v1::RunInfo on_first;
+  ASSERT_TRUE(Start(busy, &on_first).ok());
+  auto config = OnWorkers(TinyConfig(shards_), 2);
+  config.set_max_steps(4);
+  nsa::v1::RunInfo parallel;
+  ASSERT_TRUE(Start(config, &parallel).ok());
+  EXPECT_EQ(parallel.device(), "cuda:1,cuda:2");
+  const auto p = Ended(parallel.run_id());
+  EXPECT_EQ(p.state(), nsa::v1::COMPLETED) << p.message();
+  EXPECT_EQ(p.device(), "cuda:1,cuda:2") << "as its workers report it";
+  EXPECT_TRUE(std::isfinite(p.progress().loss()));
+  ASSERT_TRUE(Halt(on_first.run_id(), "done").ok());
+  EXPECT_EQ(Ended(on_first.run_id()).state(), nsa::v1::HALTED);
+}
+
 // With --runs-per-gpu 1 a run whose GPU already holds a run waits PENDING (no worker started)
 // and starts when that run ends, first come first served; halted while it waits, it ends at
 // once. Before, every run started at once and shared the GPU, and its memory, with the others.
