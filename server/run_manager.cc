@@ -571,6 +571,11 @@ bool RunManager::WaitForGpus(Run& run) {
   while (run.waiting) {
     {
       std::lock_guard<std::mutex> run_lock(run.mutex);
+      // The shutdown halts every run, but a run ending before it came to this one could have
+      // made room: a worker started only to be halted.
+      if (shutting_down_ && run.info.state() != nsa::v1::HALTING) {
+        Transition(run, nsa::v1::HALTING, "daemon shutting down");
+      }
       if (run.info.state() == nsa::v1::HALTING) return false;
     }
     if (TryPlaceOnGpus(run)) {

@@ -1,0 +1,238 @@
+// The run manager's GPU placement and its queue (--runs-per-gpu) with a fake trainer on fake
+// GPUs: where each run's workers are put, when a run waits, and how a waiting run ends. The
+// daemon tests check the same on real GPUs where the lent machine has them; these run in CI.
+#include "run_manager.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "../common/temp_dir.h"
+#include "config_mapping.h"
+#include "gpu_placement.h"
+
+namespace nsad::server {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Steps every few milliseconds until max_steps, on the GPUs the manager handed it.
+class FakeTrainer final : public Trainer {
+ public:
+  FakeTrainer(const TrainConfig& config, const std::vector<int>& gpus)
+      : config_(config), device_(gpus.empty() ? config.device : GpuNames(gpus)) {}
+  StepMetrics Step() override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    StepMetrics m;
+    m.step = ++step_;
+    m.loss = 1.0;
+    m.step_seconds = 0.002;
+    return m;
+  }
+  double Evaluate() override { return 1.0; }
+  std::string Checkpoint() override { return ""; }
+  int64_t step() const override { return step_; }
+  bool finished() const override { return step_ >= config_.max_steps; }
+  GateReport gates() const override { return {}; }
+  const TrainConfig& config() const override { return config_; }
+  std::string device() const override { return device_; }
+  AttentionBackend attention_backend() const override { return AttentionBackend::kReference; }
+  int64_t parameter_count() const override { return 1; }
+
+ private:
+  TrainConfig config_;
+  std::string device_;
+  int64_t step_ = 0;
+};
+
+class RunManagerTest : public ::testing::Test {
+ protected:
+  void SetUp() override { std::ofstream(shard_) << "tokens"; }
+  void TearDown() override { manager_.reset(); }
+
+  void MakeManager(int cuda_devices, int runs_per_gpu) {
+    RunManagerOptions options;
+    options.cuda_devices = cuda_devices;
+    options.runs_per_gpu = runs_per_gpu;
+    auto factory = [this](const std::string& run_dir, const TrainConfig& config, const std::vector<int>& gpus,
+                          AbortSlot*) -> std::unique_ptr<Trainer> {
+      std::lock_guard<std::mutex> lock(mutex_);
+      built_[fs::path(run_dir).filename().string()] = gpus;
+      return std::make_unique<FakeTrainer>(config, gpus);
+    };
+    manager_ = std::make_unique<RunManager>(state_.path(), &metrics_, factory, nullptr, options);
+  }
+  // A run that trains until halted (or for `steps`).
+  std::string Start(const std::string& device, int world_size = 1, int64_t steps = 100000000) {
+    TrainConfig config;
+    config.data.train_path = shard_;
+    config.device = device;
+    config.world_size = world_size;
+    config.max_steps = steps;
+    config.eval_every = 0;
+    nsa::v1::StartRunRequest request;
+    *request.mutable_config() = ToProto(config);
+    nsa::v1::RunInfo info;
+    const grpc::Status status = manager_->Start(request, &info);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return info.run_id();
+  }
+  nsa::v1::RunInfo Get(const std::string& id) {
+    nsa::v1::RunInfo info;
+    EXPECT_TRUE(manager_->Get(id, &info).ok());
+    return info;
+  }
+  bool WaitFor(const std::string& id, const std::function<bool(const nsa::v1::RunInfo&)>& done) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < until) {
+      if (done(Get(id))) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  bool Training(const std::string& id) {
+    return WaitFor(id, [](const nsa::v1::RunInfo& r) { return r.progress().step() > 0; });
+  }
+  bool Ended(const std::string& id) {
+    return WaitFor(id, [](const nsa::v1::RunInfo& r) { return r.state() >= nsa::v1::HALTED; });
+  }
+  void Halt(const std::string& id) {
+    nsa::v1::RunInfo info;
+    ASSERT_TRUE(manager_->Halt(id, "halted by the test", &info).ok());
+  }
+  // The GPUs the run's trainer was built with; absent: never built.
+  bool Built(const std::string& id, std::vector<int>* gpus = nullptr) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = built_.find(id);
+    if (it != built_.end() && gpus) *gpus = it->second;
+    return it != built_.end();
+  }
+
+  testing::TempDir state_{"nsad-run-manager-test"};
+  const std::string shard_ = state_.path() + "/shard.bin";
+  Metrics metrics_;
+  std::mutex mutex_;
+  std::map<std::string, std::vector<int>> built_;
+  std::unique_ptr<RunManager> manager_;
+};
+
+// Before: every run with device auto went on cuda:0, however many GPUs stood idle.
+TEST_F(RunManagerTest, AutoRunsGoOnTheGpusTheFewestLiveRunsHold) {
+  MakeManager(2, 0);
+  const std::string a = Start("auto"), b = Start("auto");
+  EXPECT_EQ(Get(a).device(), "cuda:0") << "placed at the start";
+  EXPECT_EQ(Get(b).device(), "cuda:1");
+  ASSERT_TRUE(Training(a) && Training(b));
+  std::vector<int> gpus;
+  ASSERT_TRUE(Built(b, &gpus));
+  EXPECT_EQ(gpus, std::vector<int>({1})) << "the worker is told its GPU";
+  const std::string c = Start("auto");
+  EXPECT_EQ(Get(c).device(), "cuda:0") << "no limit: it shares the least busy GPU";
+  Halt(b);
+  ASSERT_TRUE(Ended(b));
+  const std::string d = Start("auto");
+  EXPECT_EQ(Get(d).device(), "cuda:1") << "an ended run's GPU is free again";
+  const std::string named = Start("cuda:1");
+  ASSERT_TRUE(Training(named));
+  EXPECT_TRUE(Built(named, &gpus));
+  EXPECT_TRUE(gpus.empty()) << "a named device is the config's to set";
+}
+
+TEST_F(RunManagerTest, ADataParallelAutoRunTakesTheLeastHeldGpusInRankOrder) {
+  MakeManager(3, 0);
+  const std::string single = Start("cuda:0");
+  const std::string parallel = Start("auto", 2, 3);
+  EXPECT_EQ(Get(parallel).device(), "cuda:1,cuda:2");
+  ASSERT_TRUE(Ended(parallel));
+  std::vector<int> gpus;
+  ASSERT_TRUE(Built(parallel, &gpus));
+  EXPECT_EQ(gpus, std::vector<int>({1, 2}));
+  EXPECT_EQ(Get(parallel).state(), nsa::v1::COMPLETED);
+  Halt(single);
+}
+
+// With --runs-per-gpu a run that finds no room waits PENDING, without a trainer, and starts
+// when a run ends; before, every run started at once and shared the GPU and its memory.
+TEST_F(RunManagerTest, ARunWaitsForRoomAndStartsWhenARunEnds) {
+  MakeManager(1, 1);
+  const std::string first = Start("auto");
+  ASSERT_TRUE(Training(first));
+  const std::string second = Start("auto");
+  const auto waiting = Get(second);
+  EXPECT_EQ(waiting.state(), nsa::v1::PENDING);
+  EXPECT_EQ(waiting.message(), "waiting for a GPU (at most 1 live run(s) on each: nsad --runs-per-gpu)");
+  EXPECT_EQ(waiting.device(), "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));  // past a wait's timeout
+  EXPECT_FALSE(Built(second)) << "no worker while it waits";
+  Halt(first);
+  ASSERT_TRUE(Training(second));
+  EXPECT_EQ(Get(second).device(), "cuda:0");
+  EXPECT_EQ(Get(first).state(), nsa::v1::HALTED);
+}
+
+TEST_F(RunManagerTest, AWaitingRunHaltedEndsAtOnceWithoutATrainer) {
+  MakeManager(1, 1);
+  const std::string first = Start("cuda:0");
+  const std::string second = Start("cuda:0");
+  Halt(second);
+  ASSERT_TRUE(Ended(second));
+  const auto halted = Get(second);
+  EXPECT_EQ(halted.state(), nsa::v1::HALTED);
+  EXPECT_EQ(halted.message(), "halted by the test (while waiting for a GPU)");
+  EXPECT_FALSE(Built(second));
+  EXPECT_TRUE(Training(first)) << "the run with the GPU goes on";
+}
+
+TEST_F(RunManagerTest, WaitingRunsStartInTheOrderTheyCame) {
+  MakeManager(1, 1);
+  const std::string first = Start("auto");
+  ASSERT_TRUE(Training(first));
+  const std::string second = Start("auto"), third = Start("auto");
+  Halt(first);
+  ASSERT_TRUE(Training(second));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  EXPECT_FALSE(Built(third)) << "behind the second";
+  Halt(second);
+  ASSERT_TRUE(Training(third));
+}
+
+// Waiting runs queue per GPU: a run whose own GPU has room does not wait behind a run that
+// waits for another one.
+TEST_F(RunManagerTest, ARunWithRoomOnItsGpuDoesNotWaitBehindAnother) {
+  MakeManager(2, 1);
+  const std::string first = Start("cuda:0");
+  const std::string queued = Start("cuda:0");
+  const std::string other = Start("cuda:1");
+  ASSERT_TRUE(Training(other));
+  EXPECT_FALSE(Built(queued));
+  // An auto run wants any GPU, so it waits behind the queued one (and finds no room anyway).
+  const std::string automatic = Start("auto");
+  EXPECT_EQ(Get(automatic).state(), nsa::v1::PENDING);
+  Halt(first);
+  ASSERT_TRUE(Training(queued));
+  EXPECT_FALSE(Built(automatic));
+}
+
+// The daemon's shutdown halts waiting runs too, and does not wait for them forever.
+TEST_F(RunManagerTest, AShutdownEndsWaitingRuns) {
+  MakeManager(1, 1);
+  const std::string first = Start("auto");
+  ASSERT_TRUE(Training(first));
+  const std::string second = Start("auto");
+  const auto started = std::chrono::steady_clock::now();
+  manager_->Shutdown();
+  manager_->WaitForRuns();
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
+  EXPECT_EQ(Get(second).state(), nsa::v1::HALTED);
+  EXPECT_EQ(Get(second).message(), "daemon shutting down (while waiting for a GPU)");
+  EXPECT_FALSE(Built(second));
+}
+
+}  // namespace
+}  // namespace nsad::server
