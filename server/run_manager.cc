@@ -713,6 +713,10 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
 
 grpc::Status RunManager::Halt(const std::string& run_id, const std::string& reason,
                               nsa::v1::RunInfo* out) {
+  if (reason.size() > nsa::v1::kMaxHaltReasonBytes) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "reason: at most " + std::to_string(nsa::v1::kMaxHaltReasonBytes) +
+                                                    " bytes (got " + std::to_string(reason.size()) + ")"};
+  }
   grpc::Status status;
   auto run = Find(run_id, &status);
   if (!run) return status;

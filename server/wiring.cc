@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "nsa/v1/run_state.h"
 #include "remote_trainer.h"
 #include "data/data_error.h"
 #include "data/dataset.h"
@@ -12,6 +13,20 @@
 #endif
 
 namespace nsad::server {
+
+namespace {
+
+// An alert's summary can be long; its halt must not be refused for it. Cut at a UTF-8
+// character boundary (proto3 strings must stay valid UTF-8).
+std::string ShortenedReason(const std::string& reason) {
+  if (reason.size() <= nsa::v1::kMaxHaltReasonBytes) return reason;
+  const std::string ellipsis = "...";
+  size_t end = nsa::v1::kMaxHaltReasonBytes - ellipsis.size();
+  while (end > 0 && (static_cast<unsigned char>(reason[end]) & 0xC0) == 0x80) --end;
+  return reason.substr(0, end) + ellipsis;
+}
+
+}  // namespace
 
 ConfigChecker DefaultConfigChecker(const RuntimeCapabilities& caps) {
   return [caps](const TrainConfig& config) -> std::vector<FieldError> {
@@ -48,7 +63,7 @@ std::shared_ptr<void> StartAlertWebhook(const std::string& address, RunManager* 
     auto server = std::make_shared<AlertWebhookServer>(
         address, [runs](const std::string& run_id, const std::string& reason) -> std::string {
           nsa::v1::RunInfo info;
-          const grpc::Status status = runs->Halt(run_id, reason, &info);
+          const grpc::Status status = runs->Halt(run_id, ShortenedReason(reason), &info);
           // Echoed in the webhook's reply: the new state, or why the halt was refused.
           if (status.ok()) return nsa::v1::RunState_Name(info.state());
           return status.error_message();

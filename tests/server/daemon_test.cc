@@ -11,6 +11,7 @@
 
 #include "daemon_fixture.h"
 #include "data/shard.h"
+#include "nsa/v1/run_state.h"
 
 namespace nsad::testing {
 namespace {
@@ -463,6 +464,35 @@ TEST_F(DaemonTest, MetricsAreScrapedWithSaneValues) {
   EXPECT_GT(Sample(scrape(), "nsad_run_loss{" + run_label + "}"), 0);
 }
 
+// A halt's reason becomes the run's message, kept in its record and sent in every ListRuns
+// reply (4 MiB at most for a client). Reasons of megabytes were taken: two of them made
+// ListRuns fail for every client from then on, daemon restarts included. Now a reason is
+// refused by name above kMaxHaltReasonBytes (nsa/v1/run_state.h), and the run goes on.
+TEST_F(DaemonTest, AHaltReasonOfMegabytesIsRefusedByName) {
+  nsa::v1::RunInfo first, second;
+  ASSERT_TRUE(Start(TinyConfig(shards_), &first).ok());
+  ASSERT_TRUE(Start(TinyConfig(shards_), &second).ok());
+  ASSERT_TRUE(WaitForStep(first.run_id(), 1) && WaitForStep(second.run_id(), 1));
+  const std::string huge(2 << 20, 'x');
+  for (const auto& run : {first, second}) {
+    const auto status = Halt(run.run_id(), huge);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message().substr(0, 200);
+    EXPECT_EQ(status.error_message().substr(0, 7), "reason:") << status.error_message().substr(0, 200);
+  }
+  EXPECT_EQ(Get(first.run_id()).state(), nsa::v1::RUNNING) << "a refused halt halts nothing";
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline());
+    nsa::v1::ListRunsResponse list;
+    const auto status = daemon_->stub().ListRuns(&ctx, nsa::v1::ListRunsRequest(), &list);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+  const std::string longest(nsa::v1::kMaxHaltReasonBytes, 'y');
+  ASSERT_TRUE(Halt(first.run_id(), longest).ok());
+  ASSERT_TRUE(Halt(second.run_id(), "").ok());
+  EXPECT_EQ(Ended(first.run_id()).message(), longest);
+}
+
 // The path an Alertmanager alert takes: webhook -> daemon -> HaltRun, reason recorded.
 TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
   daemon_.reset();
@@ -487,6 +517,22 @@ TEST_F(DaemonTest, AlertmanagerWebhookHaltsTheNamedRun) {
   EXPECT_NE(halted.message().find("LossSpike"), std::string::npos) << halted.message();
   const auto other = Get(bystander.run_id()).state();
   EXPECT_TRUE(other == nsa::v1::RUNNING || other == nsa::v1::PENDING) << "only the named run halts";
+
+  // A summary longer than a halt's reason may be (kMaxHaltReasonBytes) still halts the run,
+  // its reason shortened at a character's boundary (3-byte characters, cut mid-character).
+  std::string summary;
+  for (int i = 0; i < 2000; ++i) summary += "\u20ac";  // the euro sign, escaped in the JSON
+  const std::string long_payload = R"({"alerts": [{"status": "firing",
+                "labels": {"alertname": "LossSpike", "nsad_action": "halt", "run_id": ")" +
+                                   bystander.run_id() + R"("},
+                "annotations": {"summary": ")" + summary + R"("}}]})";
+  Http("http://127.0.0.1:" + std::to_string(daemon_->webhook_port()) + "/alertmanager", &code, &long_payload);
+  EXPECT_EQ(code, 200);
+  ASSERT_TRUE(WaitForState(bystander.run_id(), nsa::v1::HALTED, 60));
+  const std::string reason = Get(bystander.run_id()).message();  // a reply that parsed: valid UTF-8
+  EXPECT_LE(reason.size(), nsa::v1::kMaxHaltReasonBytes);
+  EXPECT_EQ(reason.rfind("alert LossSpike: \xe2\x82\xac", 0), 0u) << reason.substr(0, 40);
+  EXPECT_EQ(reason.substr(reason.size() - 6), "\xe2\x82\xac...") << "whole characters, then the ellipsis";
 }
 
 // Data parallel over two GPUs, one worker each: the two workers with batch 2 train as one
