@@ -125,11 +125,22 @@ class CommandRunner {
     return kExitOk;
   }
 
+  // Every page of the daemon's runs (each call with the invocation's deadline), shown as one.
   int List() {
     nsa::v1::ListRunsRequest request;
     for (RunState state : inv_.states) request.add_states(state);
-    return Unary(&Trainer::Stub::ListRuns, request,
-                 [](const nsa::v1::ListRunsResponse& r) { return FormatRunList(r); });
+    nsa::v1::ListRunsResponse all;
+    do {
+      grpc::ClientContext context;
+      context.set_deadline(DeadlineAfter(inv_.timeout_seconds));
+      nsa::v1::ListRunsResponse page;
+      const grpc::Status status = stub_->ListRuns(&context, request, &page);
+      if (!status.ok()) return RpcFailure(status, inv_, err_);
+      for (auto& run : *page.mutable_runs()) *all.add_runs() = std::move(run);
+      request.set_page_token(page.next_page_token());
+    } while (!request.page_token().empty());
+    out_ << (inv_.json ? ToJson(all) : FormatRunList(all));
+    return kExitOk;
   }
 
   // Sends the config file as config_json so that the daemon, not nsactl, decides what is

@@ -746,16 +746,34 @@ grpc::Status RunManager::List(const nsa::v1::ListRunsRequest& request,
       return {grpc::StatusCode::INVALID_ARGUMENT, "states: invalid state " + std::to_string(s)};
     }
   }
+  if (request.page_size() < 0) {
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "page_size: must not be negative (got " + std::to_string(request.page_size()) + ")"};
+  }
+  if (request.page_token().size() > kMaxNameBytes) {
+    return {grpc::StatusCode::INVALID_ARGUMENT, "page_token: not one this daemon gave"};
+  }
+  const int page_size = request.page_size() == 0 ? kMaxListPageRuns : std::min(request.page_size(), kMaxListPageRuns);
   std::map<std::string, std::shared_ptr<Run>> runs;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     runs = runs_;
   }
-  for (auto& [id, run] : runs) {  // std::map: ordered by id, i.e. by creation
-    std::lock_guard<std::mutex> lock(run->mutex);
+  // std::map: ordered by id, i.e. by creation. The token is the last id of the page before.
+  size_t bytes = 0;
+  for (auto it = runs.upper_bound(request.page_token()); it != runs.end(); ++it) {
+    std::lock_guard<std::mutex> lock(it->second->mutex);
+    const nsa::v1::RunInfo& info = it->second->info;
     bool wanted = request.states().empty();
-    for (int s : request.states()) wanted = wanted || s == run->info.state();
-    if (wanted) *out->add_runs() = run->info;
+    for (int s : request.states()) wanted = wanted || s == info.state();
+    if (!wanted) continue;
+    const size_t size = info.ByteSizeLong() + 8;  // and its field's tag and length
+    if (out->runs_size() == page_size || (out->runs_size() > 0 && bytes + size > kMaxListPageBytes)) {
+      out->set_next_page_token(out->runs(out->runs_size() - 1).run_id());
+      break;
+    }
+    *out->add_runs() = info;
+    bytes += size;
   }
   return grpc::Status::OK;
 }

@@ -69,7 +69,11 @@ class RunManager {
   grpc::Status Resume(const std::string& run_id, nsa::v1::RunInfo* out);
   grpc::Status Halt(const std::string& run_id, const std::string& reason, nsa::v1::RunInfo* out);
   grpc::Status Get(const std::string& run_id, nsa::v1::RunInfo* out);
+  // One page of runs (trainer.proto's ListRunsRequest): at most kMaxListPageRuns of them and
+  // at most kMaxListPageBytes.
   grpc::Status List(const nsa::v1::ListRunsRequest& request, nsa::v1::ListRunsResponse* out);
+  static constexpr int kMaxListPageRuns = 1000;
+  static constexpr size_t kMaxListPageBytes = 2 << 20;
   // Blocks, streaming events until the run ends, the client cancels or the daemon stops.
   grpc::Status Watch(const std::string& run_id, grpc::ServerContext* context,
                      grpc::ServerWriterInterface<nsa::v1::RunEvent>* writer);

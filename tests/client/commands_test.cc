@@ -97,12 +97,18 @@ class FakeTrainer final : public nsa::v1::Trainer::Service {
     for (int state : request->states()) {
       last_list_states.push_back(static_cast<nsa::v1::RunState>(state));
     }
+    // One run a page, as a daemon with many runs pages them.
     for (const auto& run : {MakeRun("r1", nsa::v1::RUNNING), MakeRun("r2", nsa::v1::PAUSED)}) {
       const bool wanted =
           request->states().empty() ||
           std::find(request->states().begin(), request->states().end(), run.state()) !=
               request->states().end();
-      if (wanted) *response->add_runs() = run;
+      if (!wanted || run.run_id() <= request->page_token()) continue;
+      if (response->runs_size() == 1) {
+        response->set_next_page_token(response->runs(0).run_id());
+        break;
+      }
+      *response->add_runs() = run;
     }
     return Status::OK;
   }
@@ -236,6 +242,7 @@ TEST_F(CommandsTest, ListSendsStateFilter) {
   ASSERT_EQ(Run({"list"}), kExitOk);
   EXPECT_TRUE(trainer_.last_list_states.empty());
   EXPECT_NE(out_.str().find("r1 "), std::string::npos) << out_.str();
+  EXPECT_NE(out_.str().find("r2 "), std::string::npos) << "from the second page:\n" << out_.str();
 }
 
 TEST_F(CommandsTest, StartSendsTheFileVerbatimAsConfigJson) {

@@ -234,5 +234,67 @@ TEST_F(RunManagerTest, AShutdownEndsWaitingRuns) {
   EXPECT_FALSE(Built(second));
 }
 
+// ListRuns comes in pages that fit a client's 4 MiB reply. Before, one reply held every run
+// the daemon ever hosted: with configs of long paths, 600 runs were 5 MB, and
+// `nsactl list` failed from then on (after a restart too: the records stay).
+TEST_F(RunManagerTest, ListRunsComesInPagesThatFitAReply) {
+  MakeManager(0, 0);
+  // A shard under a path of about 4000 bytes (the longest ValidateConfig takes is 4096).
+  std::string dir = state_.path();
+  while (dir.size() < 3800) {
+    dir += "/" + std::string(200, 'd');
+    fs::create_directory(dir);
+  }
+  const std::string long_shard = dir + "/shard.bin";
+  std::ofstream(long_shard) << "tokens";
+  TrainConfig config;
+  config.data.train_path = long_shard;
+  config.data.val_path = long_shard;
+  config.name = std::string(kMaxNameBytes, 'n');
+  config.device = "cpu";
+  config.max_steps = 1;
+  config.eval_every = 0;
+  constexpr int kRuns = 600;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kRuns; ++i) {
+    nsa::v1::StartRunRequest request;
+    *request.mutable_config() = ToProto(config);
+    nsa::v1::RunInfo info;
+    ASSERT_TRUE(manager_->Start(request, &info).ok());
+    ids.push_back(info.run_id());
+  }
+  const auto list_all = [&](int page_size, std::vector<size_t>* page_bytes) {
+    std::vector<std::string> listed;
+    nsa::v1::ListRunsRequest request;
+    request.set_page_size(page_size);
+    do {
+      nsa::v1::ListRunsResponse page;
+      EXPECT_TRUE(manager_->List(request, &page).ok());
+      page_bytes->push_back(page.ByteSizeLong());
+      for (const auto& run : page.runs()) listed.push_back(run.run_id());
+      request.set_page_token(page.next_page_token());
+    } while (!request.page_token().empty());
+    return listed;
+  };
+  std::vector<size_t> bytes;
+  EXPECT_EQ(list_all(0, &bytes), ids) << "every run once, in the order they came";
+  size_t total = 0;
+  for (const size_t b : bytes) {
+    EXPECT_LE(b, RunManager::kMaxListPageBytes);
+    total += b;
+  }
+  EXPECT_GT(total, size_t{4} << 20) << "more than one 4 MiB reply could hold";
+  bytes.clear();
+  EXPECT_EQ(list_all(7, &bytes), ids);
+  EXPECT_EQ(bytes.size(), (kRuns + 6) / 7u);
+
+  nsa::v1::ListRunsRequest negative;
+  negative.set_page_size(-1);
+  nsa::v1::ListRunsResponse page;
+  const grpc::Status status = manager_->List(negative, &page);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message().substr(0, 10), "page_size:");
+}
+
 }  // namespace
 }  // namespace nsad::server
