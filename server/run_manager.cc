@@ -336,8 +336,23 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   }
   spdlog::info("run {} started: {}", out->run_id(), config.name);
   // Still under mutex_, which guards run->thread against WaitForRuns.
+  JoinEndedRunThreads();
   run->thread = std::thread([this, run] { Execute(run); });
   return grpc::Status::OK;
+}
+
+void RunManager::JoinEndedRunThreads() {
+  for (auto& [id, other] : runs_) {
+    if (!other->thread.joinable()) continue;
+    bool ended = false;
+    {
+      std::lock_guard<std::mutex> lock(other->mutex);
+      ended = nsa::v1::IsTerminal(other->info.state());
+    }
+    // An ended run's thread only logs and wakes waiting runs after its last transition; it
+    // takes no lock of the manager's, so joining it here waits for nothing.
+    if (ended) other->thread.join();
+  }
 }
 
 RunManager::Ending RunManager::HaltAborted(Run& run, const std::string& what_hung, const std::string& error) {

@@ -122,6 +122,9 @@ class RunManager {
   // run must wait: those GPUs hold options_.runs_per_gpu runs, or an earlier run waits for
   // them. Caller holds mutex_, not run.mutex.
   bool TryPlaceOnGpus(Run& run);
+  // Joins the threads of runs that have ended: an unjoined thread keeps its stack mapped, 8 MB
+  // of address space per run the daemon ever hosted. Caller holds mutex_.
+  void JoinEndedRunThreads();
   // Blocks while the run waits for room on its GPUs; false when it was halted meanwhile.
   bool WaitForGpus(Run& run);
   std::string WaitingMessage() const;

@@ -296,5 +296,30 @@ TEST_F(RunManagerTest, ListRunsComesInPagesThatFitAReply) {
   EXPECT_EQ(status.error_message().substr(0, 10), "page_size:");
 }
 
+// A run's thread is joined once the run has ended (when the next run starts), not at the
+// daemon's exit: each ended run's thread kept its stack mapped. Seen here: 2000 runs of a
+// fake trainer grew the process by 16.9 GB of address space (8 MB stacks) and 41 MB of
+// memory; at about 32k runs the stacks' mappings would reach vm.max_map_count and a start fail.
+TEST_F(RunManagerTest, EndedRunsThreadsAreJoinedAsRunsComeAndGo) {
+  MakeManager(0, 0);
+  const auto vm_size_kb = [] {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("VmSize:", 0) == 0) return std::stol(line.substr(7));
+    }
+    return 0L;
+  };
+  const long before = vm_size_kb();
+  std::string last;
+  for (int i = 0; i < 1000; ++i) {
+    last = Start("cpu", 1, 1);
+    if (i % 100 == 99) ASSERT_TRUE(Ended(last));  // let the runs end as they would over a day
+  }
+  ASSERT_TRUE(Ended(last));
+  const long grown_mb = (vm_size_kb() - before) / 1024;
+  EXPECT_LT(grown_mb, 512) << "MB of address space after 1000 runs";
+}
+
 }  // namespace
 }  // namespace nsad::server
