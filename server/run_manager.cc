@@ -15,6 +15,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <system_error>
 
 #include "config_mapping.h"
 #include "gpu_placement.h"
@@ -337,8 +338,23 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   spdlog::info("run {} started: {}", out->run_id(), config.name);
   // Still under mutex_, which guards run->thread against WaitForRuns.
   JoinEndedRunThreads();
-  run->thread = std::thread([this, run] { Execute(run); });
-  return grpc::Status::OK;
+  return StartThread(run, out);
+}
+
+grpc::Status RunManager::StartThread(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out) {
+  try {
+    run->thread = std::thread([this, run] { Execute(run); });
+    return grpc::Status::OK;
+  } catch (const std::system_error& e) {
+    // Out of threads or address space (a cgroup's pids limit, RLIMIT_AS): the run fails with
+    // the reason rather than the exception ending the daemon.
+    const std::string why = std::string("could not start the run's thread: ") + e.what();
+    spdlog::error("run {}: {}", run->info.run_id(), why);
+    std::lock_guard<std::mutex> lock(run->mutex);
+    Transition(*run, nsa::v1::FAILED, why);
+    *out = run->info;
+    return {grpc::StatusCode::RESOURCE_EXHAUSTED, "run " + run->info.run_id() + " " + why};
+  }
 }
 
 void RunManager::JoinEndedRunThreads() {
@@ -722,8 +738,7 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
   *out = run->info;
   lock.unlock();
   spdlog::info("run {} resuming from {}", id, checkpoint);
-  run->thread = std::thread([this, run] { Execute(run); });
-  return grpc::Status::OK;
+  return StartThread(run, out);
 }
 
 grpc::Status RunManager::Halt(const std::string& run_id, const std::string& reason,

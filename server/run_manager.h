@@ -105,6 +105,9 @@ class RunManager {
   // holds no lock: the checkpoint takes a while, and WatchHalts may end it.
   Ending FinishHalt(Run& run, Trainer& trainer);
   grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
+  // The run's thread (Execute); a run whose thread cannot start is FAILED. Caller holds mutex_,
+  // not run->mutex.
+  grpc::Status StartThread(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
   // A HALTING run whose work WatchHalts ended (what_hung: what had not ended): HALTED, the
