@@ -22,6 +22,23 @@ std::string DaemonUsage() {
          "The bound addresses are written to DIR/endpoints.json.\n";
 }
 
+namespace {
+
+// `text` as a number from 0 to `most` (digits only: no sign, no fraction, no overflow), or false
+// with "FLAG must be WHAT from 0 to MOST (got "TEXT")".
+bool WholeNumber(const std::string& flag, const std::string& what, const std::string& text, int most, int* value,
+                 std::string* error) {
+  const size_t digits = std::to_string(most).size();
+  if (text.size() > digits || text.find_first_not_of("0123456789") != std::string::npos || std::stoi(text) > most) {
+    *error = flag + " must be " + what + " from 0 to " + std::to_string(most) + " (got \"" + text + "\")";
+    return false;
+  }
+  *value = std::stoi(text);
+  return true;
+}
+
+}  // namespace
+
 bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::string* error) {
   std::string halt_timeout = std::to_string(options->halt_timeout_seconds);
   std::string runs_per_gpu = std::to_string(options->runs_per_gpu);
@@ -69,22 +86,11 @@ bool ParseDaemonOptions(int argc, char** argv, DaemonOptions* options, std::stri
     }
     *flag->second = value;
   }
-  constexpr int kMaxHaltTimeout = 86400;
-  if (halt_timeout.size() > 5 || halt_timeout.find_first_not_of("0123456789") != std::string::npos ||
-      std::stoi(halt_timeout) > kMaxHaltTimeout) {
-    *error = "--halt-timeout must be a whole number of seconds from 0 to " + std::to_string(kMaxHaltTimeout) +
-             " (got \"" + halt_timeout + "\")";
+  if (!WholeNumber("--halt-timeout", "a whole number of seconds", halt_timeout, 86400,
+                   &options->halt_timeout_seconds, error) ||
+      !WholeNumber("--runs-per-gpu", "a whole number", runs_per_gpu, 1000, &options->runs_per_gpu, error)) {
     return false;
   }
-  options->halt_timeout_seconds = std::stoi(halt_timeout);
-  constexpr int kMaxRunsPerGpu = 1000;
-  if (runs_per_gpu.size() > 4 || runs_per_gpu.find_first_not_of("0123456789") != std::string::npos ||
-      std::stoi(runs_per_gpu) > kMaxRunsPerGpu) {
-    *error = "--runs-per-gpu must be a whole number from 0 to " + std::to_string(kMaxRunsPerGpu) + " (got \"" +
-             runs_per_gpu + "\")";
-    return false;
-  }
-  options->runs_per_gpu = std::stoi(runs_per_gpu);
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   for (const char* level : kLevels) {
     if (options->log_level == level) return true;
