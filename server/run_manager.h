@@ -67,6 +67,7 @@ class RunManager {
   // PAUSED/PAUSING -> RUNNING; a HALTED or FAILED run with a checkpoint restarts from its
   // latest checkpoint (exactly where that checkpoint left off).
   grpc::Status Resume(const std::string& run_id, nsa::v1::RunInfo* out);
+  // The reason (the run's message from then on) is at most nsa::v1::kMaxHaltReasonBytes.
   grpc::Status Halt(const std::string& run_id, const std::string& reason, nsa::v1::RunInfo* out);
   grpc::Status Get(const std::string& run_id, nsa::v1::RunInfo* out);
   // One page of runs (trainer.proto's ListRunsRequest): at most kMaxListPageRuns of them and
