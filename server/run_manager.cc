@@ -308,7 +308,6 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   config = run->config;
   run->ticket = next_ticket_++;
   run->waiting = !TryPlaceOnGpus(*run);
-  if (run->placed && !run->waiting) run->info.set_device(GpuNames(run->gpus));  // before its workers report it
   *run->info.mutable_config() = ToProto(config);
   run->info.set_attention_backend(ToProto(config.attention_backend));
   run->info.set_created_unix_ms(NowMs());
@@ -337,11 +336,11 @@ grpc::Status RunManager::Start(const nsa::v1::StartRunRequest& request, nsa::v1:
   }
   spdlog::info("run {} started: {}", out->run_id(), config.name);
   // Still under mutex_, which guards run->thread against WaitForRuns.
-  JoinEndedRunThreads();
   return StartThread(run, out);
 }
 
 grpc::Status RunManager::StartThread(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out) {
+  JoinEndedRunThreads();
   try {
     run->thread = std::thread([this, run] { Execute(run); });
     return grpc::Status::OK;
@@ -586,6 +585,10 @@ bool RunManager::TryPlaceOnGpus(Run& run) {
     }
   }
   run.gpus = gpus;
+  if (run.placed) {
+    std::lock_guard<std::mutex> lock(run.mutex);
+    run.info.set_device(GpuNames(run.gpus));  // before its workers report it
+  }
   int sharing = 0;  // the most other runs on one of its GPUs
   for (const int gpu : run.gpus) {
     if (gpu >= 0 && gpu < devices) sharing = std::max(sharing, load[gpu]);
@@ -611,8 +614,6 @@ bool RunManager::WaitForGpus(Run& run) {
     }
     if (TryPlaceOnGpus(run)) {
       run.waiting = false;
-      std::lock_guard<std::mutex> run_lock(run.mutex);
-      if (run.placed) run.info.set_device(GpuNames(run.gpus));
       spdlog::info("run {}: a GPU has room, starting on {}", run.info.run_id(), GpuNames(run.gpus));
       break;
     }
@@ -729,7 +730,6 @@ grpc::Status RunManager::Restart(const std::shared_ptr<Run>& run, nsa::v1::RunIn
   run->ticket = next_ticket_++;
   run->waiting = !TryPlaceOnGpus(*run);  // afresh: the GPUs it had may have been taken since it ended
   lock.lock();
-  if (run->placed && !run->waiting) run->info.set_device(GpuNames(run->gpus));
   run->config.resume_from = checkpoint;
   *run->info.mutable_config() = ToProto(run->config);
   run->info.set_parameter_count(0);  // set again once the new worker has loaded it

@@ -106,8 +106,8 @@ class RunManager {
   // holds no lock: the checkpoint takes a while, and WatchHalts may end it.
   Ending FinishHalt(Run& run, Trainer& trainer);
   grpc::Status Restart(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
-  // The run's thread (Execute); a run whose thread cannot start is FAILED. Caller holds mutex_,
-  // not run->mutex.
+  // The run's thread (Execute), after joining ended runs' threads; a run whose thread cannot
+  // start is FAILED. Caller holds mutex_, not run->mutex.
   grpc::Status StartThread(const std::shared_ptr<Run>& run, nsa::v1::RunInfo* out);
   // Caller holds run->mutex.
   void Transition(Run& run, nsa::v1::RunState state, const std::string& message);
@@ -121,10 +121,11 @@ class RunManager {
   void PersistOrLog(const Run& run);  // logs instead: the run goes on, the record is stale
   // The run (not ended) whose checkpoint folder is `dir`, or "". Caller holds mutex_.
   std::string CheckpointDirUser(const std::string& dir) const;
-  // The GPUs for a run about to start (Run::gpus): the config's device where it names one,
-  // else those the fewest live runs other than `run` hold. False, with no GPUs set, when the
-  // run must wait: those GPUs hold options_.runs_per_gpu runs, or an earlier run waits for
-  // them. Caller holds mutex_, not run.mutex.
+  // The GPUs for a run about to start (Run::gpus, and its info's device where the daemon chose
+  // them): the config's device where it names one, else those the fewest live runs other than
+  // `run` hold. False, with no GPUs set, when the run must wait: those GPUs hold
+  // options_.runs_per_gpu runs, or an earlier run waits for them. Caller holds mutex_, not
+  // run.mutex.
   bool TryPlaceOnGpus(Run& run);
   // Joins the threads of runs that have ended: an unjoined thread keeps its stack mapped, 8 MB
   // of address space per run the daemon ever hosted. Caller holds mutex_.
