@@ -114,12 +114,10 @@ struct RunManager::Run {
   AbortSlot abort;  // the trainer's (from its workers' start): WatchHalts may end its work
   std::chrono::steady_clock::time_point halting_since;  // when the run last became HALTING
   bool aborted = false;  // WatchHalts ended the work in flight
-  // The GPUs its workers use while it is not ended (TryPlaceOnGpus), whether the daemon chose
-  // them (device "auto") rather than the config, and, while it waits for room on them
-  // (--runs-per-gpu), its place in the queue. Guarded by the manager's mutex_; Execute reads
-  // them in its own thread once they are set.
+  // The GPUs its workers use while it is not ended (TryPlaceOnGpus) and, while it waits for
+  // room on them (--runs-per-gpu), its place in the queue. Guarded by the manager's mutex_;
+  // Execute reads them in its own thread once they are set.
   std::vector<int> gpus;
-  bool placed = false;
   bool waiting = false;
   int64_t ticket = 0;
 };
@@ -413,8 +411,8 @@ void RunManager::Execute(const std::shared_ptr<Run>& run) {
   }
   std::unique_ptr<Trainer> trainer;
   try {
-    trainer = factory_(RunDir(id).string(), run->config, run->placed ? run->gpus : std::vector<int>{},
-                       &run->abort);
+    trainer = factory_(RunDir(id).string(), run->config,
+                       ChoosesGpus(run->config) ? run->gpus : std::vector<int>{}, &run->abort);
   } catch (const ConfigError& e) {
     std::lock_guard<std::mutex> lock(run->mutex);
     Transition(*run, nsa::v1::FAILED, std::string("invalid config: ") + e.what());
@@ -548,10 +546,14 @@ void RunManager::PersistOrLog(const Run& run) {
   }
 }
 
+bool RunManager::ChoosesGpus(const TrainConfig& config) const {
+  return config.device == "auto" && options_.cuda_devices > 0;
+}
+
 bool RunManager::TryPlaceOnGpus(Run& run) {
   const TrainConfig& config = run.config;
   const int devices = options_.cuda_devices;
-  run.placed = config.device == "auto" && devices > 0;
+  const bool placed = ChoosesGpus(config);
   std::vector<int> load(devices, 0);
   std::vector<const Run*> waiting_before;  // earlier runs still waiting for GPUs
   for (const auto& [id, other] : runs_) {
@@ -567,7 +569,7 @@ bool RunManager::TryPlaceOnGpus(Run& run) {
       if (gpu >= 0 && gpu < devices) ++load[gpu];
     }
   }
-  std::vector<int> gpus = run.placed ? LeastLoadedGpus(load, config.world_size) : std::vector<int>{};
+  std::vector<int> gpus = placed ? LeastLoadedGpus(load, config.world_size) : std::vector<int>{};
   // Named devices, and a run wanting more GPUs than there are (the config check refused it).
   if (gpus.empty()) gpus = NamedGpus(config.device, config.world_size, devices);
   run.gpus.clear();
@@ -585,7 +587,7 @@ bool RunManager::TryPlaceOnGpus(Run& run) {
     }
   }
   run.gpus = gpus;
-  if (run.placed) {
+  if (placed) {
     std::lock_guard<std::mutex> lock(run.mutex);
     run.info.set_device(GpuNames(run.gpus));  // before its workers report it
   }
@@ -593,7 +595,7 @@ bool RunManager::TryPlaceOnGpus(Run& run) {
   for (const int gpu : run.gpus) {
     if (gpu >= 0 && gpu < devices) sharing = std::max(sharing, load[gpu]);
   }
-  if (run.placed && sharing > 0) {
+  if (placed && sharing > 0) {
     spdlog::warn("run {}: every GPU is in use; it shares {} with {} other run(s)", run.info.run_id(),
                  GpuNames(run.gpus), sharing);
   }

@@ -127,6 +127,9 @@ class RunManager {
   // options_.runs_per_gpu runs, or an earlier run waits for them. Caller holds mutex_, not
   // run.mutex.
   bool TryPlaceOnGpus(Run& run);
+  // Whether the daemon chooses a run's GPUs (device "auto" on a machine with GPUs) rather than
+  // its config naming them.
+  bool ChoosesGpus(const TrainConfig& config) const;
   // Joins the threads of runs that have ended: an unjoined thread keeps its stack mapped, 8 MB
   // of address space per run the daemon ever hosted. Caller holds mutex_.
   void JoinEndedRunThreads();
